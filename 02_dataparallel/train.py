@@ -1,0 +1,170 @@
+"""Step 02: one process drives every local GPU through nn.DataParallel.
+
+Run:  bash 02_dataparallel/run.sh --epochs 3 --checkpoint ckpt.pt   (--dataset synthetic needs no download)
+
+Changed since 01: with GPUs the model is wrapped in nn.DataParallel, which splits every batch across
+them, runs the replicas in threads and sums the gradients on the first GPU; the global batch is still
+--batch-size. On a CPU the plain model runs as in 01. Checkpoints hold the unwrapped model (no
+"module." prefix). DataParallel is simple but slow: 03 moves to DDP.
+"""
+import argparse
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description="Train a small CNN on MNIST.")
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
+    parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
+                        help="real MNIST, or MNIST-shaped data made in memory (no download)")
+    parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
+    parser.add_argument("--workers", type=int, default=1, help="data-loader worker processes per process")
+    parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
+    args = parser.parse_args()
+    if args.epochs < 1 or args.batch_size < 1 or args.workers < 0 or not args.lr > 0:
+        parser.error("--epochs and --batch-size must be at least 1, --workers at least 0, --lr above 0")
+    return args
+
+
+def download_mnist(data_dir):
+    """Fetch MNIST into data_dir unless it is there already (torchvision checks the files first)."""
+    from torchvision import datasets  # imported only for MNIST: it takes a second or more
+    try:
+        datasets.MNIST(data_dir, download=True)
+    except (OSError, RuntimeError) as error:  # no internet, as on many compute nodes
+        sys.exit(f"error: MNIST is not in {data_dir} and could not be downloaded ({error}); fetch it where "
+                 f"there is internet: python -c \"from torchvision.datasets import MNIST; MNIST('{data_dir}', "
+                 f"download=True)\", then copy the folder (or use --dataset synthetic)")
+
+
+def load_datasets(args):
+    """Returns (train, test) as in-memory tensors: decoded and normalised once, not per sample."""
+    if args.dataset == "synthetic":  # each class is a fixed random pattern under noise, the same everywhere
+        generator = torch.Generator().manual_seed(1234)
+        patterns = torch.randn(10, 1, 28, 28, generator=generator)
+        labels = torch.randint(0, 10, (8_000,), generator=generator)
+        images = patterns[labels] + torch.randn(len(labels), 1, 28, 28, generator=generator)
+        return TensorDataset(images[:6_000], labels[:6_000]), TensorDataset(images[6_000:], labels[6_000:])
+    from torchvision import datasets
+    splits = [datasets.MNIST(args.data_dir, train=train) for train in (True, False)]
+    return [TensorDataset((s.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, s.targets) for s in splits]
+
+
+class Net(nn.Module):
+    """A small CNN. No dropout and no BatchNorm: dropout draws other masks in each process and BatchNorm
+    normalises over each process's own batch, so the steps would compute different things (a model with
+    BatchNorm wants nn.SyncBatchNorm under DDP). SiLU and average pooling rather than ReLU and max pooling:
+    their output moves smoothly with the weights, so the rounding differences between steps (DDP adds
+    gradients in another order) stay near 1e-6 instead of flipping which input wins a max and growing."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.avg_pool2d(F.silu(self.conv1(x)), 2)
+        x = F.avg_pool2d(F.silu(self.conv2(x)), 2)
+        return self.fc2(F.silu(self.fc1(x.flatten(1))))
+
+
+def train_one_epoch(model, loader, optimizer, device):
+    """One pass over loader; returns (mean training loss, number of samples)."""
+    model.train()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        totals[0] += loss.detach() * len(labels)  # stays on the device: no GPU sync per step
+        totals[1] += len(labels)
+    return (totals[0] / totals[1]).item(), int(totals[1])
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Returns [correct, total] over loader."""
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        counts[0] += (model(images).argmax(dim=1) == labels).sum()
+        counts[1] += len(labels)
+    return counts.tolist()
+
+
+def save_checkpoint(path, model, optimizer, epoch):
+    """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+    os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
+
+
+def load_checkpoint(path, model, optimizer, device):
+    """Restore model and optimizer from path; returns the number of epochs already done."""
+    state = torch.load(path, map_location=device)  # onto this process's device, not the saver's
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["epoch"]
+
+
+def train(args, device):
+    if args.dataset == "mnist":
+        download_mnist(args.data_dir)
+    train_set, test_set = load_datasets(args)
+    # The order depends only on --seed and the epoch (reseeded below), so a resumed run sees the same batches.
+    generator = torch.Generator()
+    sampler = RandomSampler(train_set, generator=generator)
+    loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
+    test_loader = DataLoader(test_set, batch_size=1000, **loader_args)
+
+    torch.manual_seed(args.seed)  # the same initial weights for the same seed
+    model = Net().to(device)
+    # DataParallel: replicate over all visible GPUs; `model` stays for evaluation and checkpoints.
+    dp_model = nn.DataParallel(model) if device.type == "cuda" else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    start_epoch = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        start_epoch = load_checkpoint(args.checkpoint, model, optimizer, device)
+        print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
+
+    for epoch in range(start_epoch, args.epochs):
+        generator.manual_seed(args.seed + epoch)
+        start = time.perf_counter()
+        loss, samples = train_one_epoch(dp_model, train_loader, optimizer, device)
+        train_seconds = time.perf_counter() - start
+        correct, total = evaluate(model, test_loader, device)
+        if args.checkpoint:
+            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
+        summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
+                   f"({correct}/{total}) | {samples / train_seconds:.0f} samples/s | {time.perf_counter() - start:.1f} s")
+        print(summary, flush=True)
+
+
+def main():
+    args = parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"host {socket.gethostname()} pid {os.getpid()} device {device} GPUs {torch.cuda.device_count()}", flush=True)
+    train(args, device)
+
+
+if __name__ == "__main__":
+    main()
