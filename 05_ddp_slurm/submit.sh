@@ -1,0 +1,38 @@
+#!/bin/bash
+# Step 05: DDP under Slurm. Submit from the repository root; flags after the script go to train.py:
+#   sbatch 05_ddp_slurm/submit.sh --epochs 3
+# For your cluster change the #SBATCH lines below (nodes, GPUs per node and the tasks that match
+# them, cores, time; add --partition/--account if your site needs them) and the environment line.
+# Options on the sbatch command line override these lines, e.g. a CPU-only run on two nodes:
+#   sbatch --gpus-per-node=0 --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 05_ddp_slurm/submit.sh --dataset synthetic
+#SBATCH --job-name=ddp-slurm        # shown by squeue; the %x in the log name
+#SBATCH --nodes=2                   # machines
+#SBATCH --ntasks-per-node=4         # processes per machine: one per GPU, so equal to --gpus-per-node
+#SBATCH --gpus-per-node=4           # GPUs per machine
+#SBATCH --cpus-per-task=8           # cores per process: its threads and its data-loader workers
+#SBATCH --time=01:00:00             # wall-clock limit
+#SBATCH --signal=USR2@120           # SIGUSR2 to every task 120 s before the limit: checkpoint and requeue
+#SBATCH --requeue                   # the job may go back to the queue (after the signal, or when preempted)
+#SBATCH --open-mode=append          # a requeued job appends to its log instead of overwriting it
+#SBATCH --output=%x-%j.out          # one log per job (stdout and stderr): job name and job id
+set -euo pipefail
+
+# Environment: activate yours here if the job does not inherit it (module load ..., source .venv/bin/activate).
+PYTHON=${PYTHON:-python}
+TRAIN_PY=${TRAIN_PY:-05_ddp_slurm/train.py}  # relative to the folder sbatch was called from
+
+# Rendezvous on the job's first node. The port follows the job id, so two jobs that share a node do
+# not collide, and stays below the ephemeral range (32768 and up); export MASTER_PORT to choose one.
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
+export MASTER_ADDR MASTER_PORT
+# One thread per core the task owns; the data-loader workers take the cores left beside the main one.
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+WORKERS=$((${SLURM_CPUS_PER_TASK:-1} - 1))
+
+echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks," \
+  "master $MASTER_ADDR:$MASTER_PORT"
+# --kill-on-bad-exit: when one task fails, srun ends the others instead of leaving them waiting for it.
+# The checkpoint path is fixed per job, so a requeued job (same id) resumes; pass --checkpoint to choose it.
+srun --kill-on-bad-exit=1 "$PYTHON" -u "$TRAIN_PY" --workers "$WORKERS" \
+  --checkpoint "checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID.pt" "$@"
