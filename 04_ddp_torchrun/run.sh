@@ -16,6 +16,9 @@ else
   rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-id="${RDZV_ID:-ddp-ladder}"
               --rdzv-endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the first node}")
 fi
+# After a restart, workers that share torchrun's own rendezvous store can read the previous round's
+# addresses and fail or hang (pytorch/pytorch#135712); a store of their own each round avoids that.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 # python -m torch.distributed.run is torchrun, run by the chosen interpreter.
 exec "$python" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node="$nproc" \
   --max-restarts="${MAX_RESTARTS:-0}" "$(dirname "$0")/train.py" "$@"
