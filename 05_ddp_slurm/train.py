@@ -46,7 +46,8 @@ def download_mnist(data_dir):
     try:
         datasets.MNIST(data_dir, download=True)
     except (OSError, RuntimeError) as error:  # no internet, as on many compute nodes
-        sys.exit(f"error: MNIST is not in {data_dir} and could not be downloaded ({error}); fetch it where "
+        reason = " ".join(str(error).split())  # torchvision's message spans lines
+        sys.exit(f"error: MNIST is not in {data_dir} and could not be downloaded ({reason}); fetch it where "
                  f"there is internet: python -c \"from torchvision.datasets import MNIST; MNIST('{data_dir}', "
                  f"download=True)\", then copy the folder (or use --dataset synthetic)")
 
