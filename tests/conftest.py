@@ -1,0 +1,158 @@
+"""Helpers for the tests: start each step the way its launcher would, on the CPU with Gloo, read
+what it printed and compare the weights in its checkpoints. Every process has a time limit."""
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = ["01_single_gpu", "02_dataparallel", "03_ddp_mpspawn", "04_ddp_torchrun", "05_ddp_slurm", "06_ddp_submitit"]
+SYNTHETIC = ["--dataset", "synthetic", "--workers", "0"]
+GLOBAL_BATCH = 64  # the same in every step: 64 in one process, 2 x 32 with two ranks
+TOLERANCE = 1e-5  # max abs difference between weights that the steps must meet
+EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+) \| train loss ([\d.]+) \| test acc ([\d.]+)% \((\d+)/(\d+)\) "
+                        r"\| (\d+) samples/s \| ([\d.]+) s$", re.M)
+LAUNCH_LINE = re.compile(r"^rank (\d+)/(\d+) local_rank (\d+) host (\S+) pid (\d+) device (\S+) backend (\S+) "
+                         r"master (\S+):(\d+)$", re.M)
+
+
+def child_env(**extra):
+    """The environment of every process the tests start: one thread each (two ranks share two cores)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable,
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.update(extra)
+    return env
+
+
+class Result:
+    def __init__(self, returncode, output, stderr, seconds):
+        self.returncode, self.output, self.stderr, self.seconds = returncode, output, stderr, seconds
+
+    def epochs(self):
+        """The epoch lines as dicts of numbers."""
+        keys = ("epoch", "epochs", "loss", "acc", "correct", "total", "samples_per_s", "seconds")
+        return [dict(zip(keys, map(float, m.groups()))) for m in EPOCH_LINE.finditer(self.output)]
+
+    def launches(self):
+        return [m.groups() for m in LAUNCH_LINE.finditer(self.output)]
+
+    def __repr__(self):
+        return f"exit {self.returncode} after {self.seconds:.1f} s\n--- output\n{self.output}\n--- stderr\n{self.stderr}"
+
+
+def run(cmd, timeout=120, env=None, cwd=REPO):
+    """Runs cmd in a session of its own; past timeout the whole session is killed and the test fails."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {cmd}\n{out}\n{err}")
+    return Result(proc.returncode, out, err, time.monotonic() - start)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def slurm_task_env(rank, world_size, port, job_id="4242"):
+    """What srun gives each task of a one-node job, plus what submit.sh exports."""
+    return child_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world_size),
+                     SLURM_STEP_ID="0", SLURM_JOB_ID=job_id, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def run_slurm_tasks(args, world_size=2, timeout=120):
+    """Step 05 started as srun would start it on one node: one process per task with its SLURM_* variables."""
+    port, start = free_port(), time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "05_ddp_slurm/train.py", *args], cwd=REPO,
+                              env=slurm_task_env(rank, world_size, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for rank in range(world_size)]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=max(1, timeout - (time.monotonic() - start))))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"05 timed out after {timeout} s")
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return Result(code, "".join(o for o, _ in outs), "".join(e for _, e in outs), time.monotonic() - start)
+
+
+def submitit_logs(log_dir):
+    """All task logs that submitit wrote under log_dir, rank 0 first."""
+    files = sorted(Path(log_dir).glob("*/*_log.out"), key=lambda p: (p.parent.name, p.name.split("_")[1]))
+    return "".join(p.read_text() for p in files)
+
+
+def run_step(step, args, tmp_path, timeout=120):
+    """Runs one step on the CPU: 01 and 02 in one process, 03 to 06 with two ranks."""
+    if step in ("01_single_gpu", "02_dataparallel"):
+        return run([sys.executable, f"{step}/train.py", *args], timeout)
+    if step == "03_ddp_mpspawn":
+        return run([sys.executable, f"{step}/train.py", "--world-size", "2", *args], timeout)
+    if step == "04_ddp_torchrun":
+        return run(["bash", f"{step}/run.sh", *args], timeout, env=child_env(NPROC_PER_NODE="2"))
+    if step == "05_ddp_slurm":
+        return run_slurm_tasks(args, timeout=timeout)
+    log_dir = Path(tmp_path) / f"submitit-{time.monotonic_ns()}"
+    result = run([sys.executable, f"{step}/train.py", "--local", "--tasks-per-node", "2", "--log-dir",
+                  str(log_dir), *args], timeout)
+    result.output += submitit_logs(log_dir)
+    return result
+
+
+def batch_args(step):
+    """--batch-size per process that gives every step the same global batch."""
+    return ["--batch-size", str(GLOBAL_BATCH if step in ("01_single_gpu", "02_dataparallel") else GLOBAL_BATCH // 2)]
+
+
+def weights(path):
+    return torch.load(path, map_location="cpu")["model"]
+
+
+def max_abs_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def load_step_module(step):
+    """Imports a step's train.py as a module (for the single-process reference evaluation)."""
+    spec = importlib.util.spec_from_file_location(f"train_{step}", REPO / step / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Single-process runs of step 01 that the others are compared with: one epoch (its checkpoint is
+    copied aside) and two epochs without interruption."""
+    folder = tmp_path_factory.mktemp("reference")
+    one = run([sys.executable, "01_single_gpu/train.py", *SYNTHETIC, *batch_args("01_single_gpu"), "--epochs", "1",
+               "--checkpoint", str(folder / "one.pt")])
+    two = run([sys.executable, "01_single_gpu/train.py", *SYNTHETIC, *batch_args("01_single_gpu"), "--epochs", "2",
+               "--checkpoint", str(folder / "two.pt")])
+    assert one.returncode == 0 and two.returncode == 0, (one, two)
+    return Namespace(epoch1=folder / "one.pt", epoch2=folder / "two.pt", run1=one, run2=two)
+
+
+def copy(src, dst):
+    shutil.copyfile(src, dst)
+    return Path(dst)

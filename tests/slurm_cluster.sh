@@ -1,0 +1,203 @@
+#!/usr/bin/env bash
+# A real two-node Slurm cluster on this one machine, for the tests and for trying the ladder
+# without a cluster.
+#
+#   sudo tests/slurm_cluster.sh start     # install what is missing, start munged, slurmctld, slurmd n1 and n2
+#   sbatch 05_ddp_slurm/submit.sh ...      # then use it like any cluster (see the README)
+#   sudo tests/slurm_cluster.sh stop      # stop exactly what start started and undo its changes
+#   tests/slurm_cluster.sh status
+#
+# Each slurmd runs in a network namespace of its own (hostnames n1 and n2, addresses on a private
+# bridge that exists only on this machine), so MASTER_ADDR resolution and cross-node rendezvous
+# are exercised as on a real cluster. Needs root: namespaces, apt-get and /etc/slurm/slurm.conf.
+# State and logs live in $SLURM_TEST_DIR (default /tmp/ddp-ladder-slurm). Start adds two lines to
+# /etc/hosts and installs /etc/slurm/slurm.conf (saving any existing one); stop undoes both and
+# stops the daemons by the PIDs that start recorded, never by name.
+set -euo pipefail
+
+STATE=${SLURM_TEST_DIR:-/tmp/ddp-ladder-slurm}
+SUBNET=${SLURM_TEST_SUBNET:-10.213.0}  # private /24 for the bridge; change it if it clashes with yours
+BRIDGE=ddpl-br0
+NODES=(n1 n2)
+CPUS_PER_NODE=2
+MARK="# ddp-ladder test cluster"
+CONF=/etc/slurm/slurm.conf
+
+log() { echo "slurm_cluster: $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+install_packages() {
+  local missing=()
+  for cmd in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge; do
+    command -v "${cmd%%:*}" >/dev/null || missing+=("${cmd#*:}")
+  done
+  ((${#missing[@]} == 0)) && return
+  log "installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null
+  apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+# Starts "$@" detached in its own session, records its PID under a name and waits for nothing.
+spawn() {
+  local name=$1; shift
+  setsid "$@" >>"$STATE/log/$name.out" 2>&1 </dev/null &
+  echo "$!" >"$STATE/pids/$name"
+}
+
+write_conf() {
+  local host node i=0
+  host=$(hostname -s)
+  cat >"$STATE/slurm.conf" <<EOF
+$MARK: written by tests/slurm_cluster.sh; stop restores the previous file
+ClusterName=ddpladder
+SlurmctldHost=$host($SUBNET.1)
+SlurmctldPort=16817
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# cred_expire=10: a requeued job may start again after ~12 s instead of ~135 s
+AuthInfo=socket=$STATE/munge/munge.socket,cred_expire=10
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/spool/%n
+SlurmctldPidFile=$STATE/slurmctld.pid
+SlurmdPidFile=$STATE/slurmd-%n.pid
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdLogFile=$STATE/log/slurmd-%n.log
+# No cgroups here: track processes through /proc and bind nothing.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SlurmdParameters=config_overrides
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+ReturnToService=2
+# Fast turnaround for tests: finished jobs leave quickly (sbatch --wait polls less), the scheduler
+# runs often, cancelled processes are killed after 2 s, impossible requests are refused at once.
+MinJobAge=4
+SchedulerParameters=sched_interval=2,bf_interval=1
+KillWait=2
+EnforcePartLimits=ALL
+EOF
+  for node in "${NODES[@]}"; do
+    i=$((i + 1))
+    echo "NodeName=$node NodeAddr=$SUBNET.$((10 + i)) Port=$((17000 + i)) CPUs=$CPUS_PER_NODE State=UNKNOWN" \
+      >>"$STATE/slurm.conf"
+  done
+  echo "PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP" \
+    >>"$STATE/slurm.conf"
+}
+
+setup_network() {
+  local node i=0
+  ip link add "$BRIDGE" type bridge
+  ip addr add "$SUBNET.1/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  for node in "${NODES[@]}"; do
+    i=$((i + 1))
+    ip netns add "ddpl-$node"
+    ip link add "ddpl-$node" type veth peer name eth0 netns "ddpl-$node"
+    ip link set "ddpl-$node" master "$BRIDGE" up
+    ip -n "ddpl-$node" addr add "$SUBNET.$((10 + i))/24" dev eth0
+    ip -n "ddpl-$node" link set eth0 up
+    ip -n "ddpl-$node" link set lo up
+    echo "$SUBNET.$((10 + i)) $node $MARK" >>/etc/hosts
+  done
+}
+
+start() {
+  [[ $EUID == 0 ]] || die "needs root (network namespaces, apt-get, /etc/slurm/slurm.conf)"
+  [[ -d $STATE/pids ]] && { log "a previous cluster is recorded in $STATE: stopping it first"; stop; }
+  install_packages
+  mkdir -p "$STATE"/{pids,log,ctld,munge} "${NODES[@]/#/$STATE/spool/}"
+  # munged refuses a socket folder that others may write to and a key it does not own.
+  chown munge: "$STATE/munge"
+  chmod 700 "$STATE/munge"
+  spawn munged setpriv --reuid=munge --regid=munge --init-groups munged --foreground --force --socket="$STATE/munge/munge.socket" \
+    --pid-file="$STATE/munge/munged.pid" --log-file="$STATE/munge/munged.log" \
+    --seed-file="$STATE/munge/munged.seed"
+  write_conf
+  if [[ -e $CONF ]] && ! grep -q "$MARK" "$CONF"; then cp -p "$CONF" "$STATE/slurm.conf.orig"; fi
+  mkdir -p "$(dirname "$CONF")"
+  cp "$STATE/slurm.conf" "$CONF"
+  setup_network
+  for _ in $(seq 50); do [[ -S $STATE/munge/munge.socket ]] && break; sleep 0.1; done
+  [[ -S $STATE/munge/munge.socket ]] || die "munged did not start: $(cat "$STATE/log/munged.out")"
+  spawn slurmctld slurmctld -D -f "$CONF"
+  for node in "${NODES[@]}"; do
+    # nsenter joins the node's network namespace, unshare gives it its own hostname; both exec,
+    # so the recorded PID is slurmd's own.
+    spawn "slurmd-$node" nsenter --net="/run/netns/ddpl-$node" unshare --uts -- \
+      sh -c "hostname $node && exec slurmd -D -N $node -f $CONF"
+  done
+  local states=""
+  for _ in $(seq 100); do
+    states=$(sinfo -h -N -o '%N=%T' 2>/dev/null | sort -u | tr '\n' ' ')
+    [[ $(grep -o '=idle' <<<"$states" | wc -l) == "${#NODES[@]}" ]] && { log "up: $states"; return; }
+    sleep 0.2
+  done
+  log "nodes not idle after 20 s: ${states:-no answer}"
+  tail -n 5 "$STATE"/log/*.log >&2 || true
+  stop
+  exit 1
+}
+
+# Sends TERM to a recorded PID (only if it is still the process that start started), then KILL.
+stop_pid() {
+  local file=$1 pid
+  pid=$(cat "$file")
+  [[ -d /proc/$pid && $(cat "/proc/$pid/cmdline" 2>/dev/null | tr '\0' ' ') == *"$(basename "$file" | cut -d- -f1)"* ]] ||
+    { rm -f "$file"; return; }
+  kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 50); do [[ -d /proc/$pid ]] || break; sleep 0.1; done
+  [[ -d /proc/$pid ]] && kill -KILL "$pid" 2>/dev/null || true
+  rm -f "$file"
+}
+
+stop() {
+  [[ $EUID == 0 ]] || die "needs root"
+  if [[ -d $STATE/pids ]]; then
+    # Cancel what still runs so no job step outlives its slurmd.
+    if [[ -f $STATE/pids/slurmctld ]] && command -v scancel >/dev/null; then
+      timeout 10 squeue -h -o %i 2>/dev/null | xargs -r timeout 10 scancel 2>/dev/null || true
+      for _ in $(seq 50); do
+        [[ -z $(timeout 5 squeue -h -t RUNNING,COMPLETING -o %i 2>/dev/null) ]] && break
+        sleep 0.2
+      done
+    fi
+    for name in slurmd-n1 slurmd-n2 slurmctld munged; do
+      [[ -f $STATE/pids/$name ]] && stop_pid "$STATE/pids/$name"
+    done
+  fi
+  for node in "${NODES[@]}"; do
+    ip netns del "ddpl-$node" 2>/dev/null || true
+  done
+  ip link del "$BRIDGE" 2>/dev/null || true
+  if grep -q "$MARK" /etc/hosts; then
+    # /etc/hosts may be a bind mount: rewrite it in place instead of replacing the file.
+    grep -v "$MARK" /etc/hosts >"$STATE/hosts.new" || true
+    cat "$STATE/hosts.new" >/etc/hosts
+  fi
+  if [[ -f $STATE/slurm.conf.orig ]]; then
+    cp -p "$STATE/slurm.conf.orig" "$CONF"
+  elif [[ -f $CONF ]] && grep -q "$MARK" "$CONF"; then
+    rm -f "$CONF"
+  fi
+  if [[ ${KEEP_LOGS:-0} == 1 ]]; then rm -rf "$STATE/pids"; else rm -rf "$STATE"; fi
+  log "stopped"
+}
+
+status() {
+  [[ -d $STATE/pids ]] || { echo "not running"; exit 1; }
+  sinfo -N
+  squeue
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+esac

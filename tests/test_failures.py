@@ -1,0 +1,82 @@
+"""A rank that dies does not leave the others hanging, and torchrun's restart resumes from the checkpoint."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import (LAUNCH_LINE, REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff,
+                      weights)
+
+
+def start(cmd, env):
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, bufsize=1)
+
+
+def read_until(proc, pattern, lines, timeout=60):
+    """Reads proc's output line by line until one matches pattern; returns the match."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        match = pattern.search(line) if hasattr(pattern, "search") else (pattern in line or None)
+        if match:
+            return match
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"never saw {pattern!r}:\n{''.join(lines)}")
+
+
+def finish(proc, lines, timeout):
+    """Waits for proc at most timeout seconds; returns a Result with all its output."""
+    start_time = time.monotonic()
+    try:
+        rest, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"still running {timeout} s after a rank died (hang):\n{''.join(lines)}")
+    return Result(proc.returncode, "".join(lines) + rest, "", time.monotonic() - start_time)
+
+
+LAUNCHERS = {
+    "03_ddp_mpspawn": ([sys.executable, "03_ddp_mpspawn/train.py", "--world-size", "2"], {}),
+    "04_ddp_torchrun": (["bash", "04_ddp_torchrun/run.sh"], {"NPROC_PER_NODE": "2", "MAX_RESTARTS": "0"}),
+}
+
+
+@pytest.mark.parametrize("step", list(LAUNCHERS))
+def test_a_dead_rank_ends_the_run(step):
+    cmd, extra = LAUNCHERS[step]
+    proc = start([*cmd, *SYNTHETIC, "--epochs", "50"], child_env(**extra))
+    lines, pids = [], {}
+    while len(pids) < 2:
+        match = read_until(proc, LAUNCH_LINE, lines)
+        pids[match.group(1)] = int(match.group(5))
+    read_until(proc, "epoch 1/50", lines)  # training is under way
+    os.kill(pids["1"], signal.SIGKILL)
+    result = finish(proc, lines, timeout=30)
+    assert result.returncode != 0, result
+    assert "epoch 50/50" not in result.output
+
+
+def test_torchrun_restart_resumes_from_the_checkpoint(tmp_path, reference):
+    """A worker dies in epoch 2; torchrun restarts both, they resume after epoch 1 and end with the
+    weights of an uninterrupted run."""
+    checkpoint = tmp_path / "ckpt.pt"
+    proc = start(["bash", "04_ddp_torchrun/run.sh", *SYNTHETIC, *batch_args("04_ddp_torchrun"), "--epochs", "2",
+                  "--checkpoint", str(checkpoint)], child_env(NPROC_PER_NODE="2", MAX_RESTARTS="1"))
+    lines, pids = [], {}
+    while len(pids) < 2:
+        match = read_until(proc, LAUNCH_LINE, lines)
+        pids[match.group(1)] = int(match.group(5))
+    read_until(proc, "epoch 1/2", lines)
+    os.kill(pids["1"], signal.SIGKILL)
+    result = finish(proc, lines, timeout=90)
+    assert result.returncode == 0, result
+    assert result.output.count("resumed from") == 1 and "after epoch 1" in result.output, result
+    assert result.output.count("epoch 1/2 |") == 1 and result.output.count("epoch 2/2 |") == 1, result
+    assert max_abs_diff(weights(checkpoint), weights(reference.epoch2)) <= TOLERANCE

@@ -1,0 +1,80 @@
+"""Every step trains on the synthetic data (one process for 01 and 02, two Gloo ranks for 03 to 06),
+is interrupted after one epoch and resumed for a second, and all of them compute the same weights."""
+from argparse import Namespace
+
+import pytest
+import torch
+
+from conftest import (STEPS, SYNTHETIC, TOLERANCE, batch_args, copy, max_abs_diff, run_step, weights)
+
+
+@pytest.fixture(scope="session")
+def ladder(reference, tmp_path_factory):
+    """runs(step): one epoch with a checkpoint, then the same command with --epochs 2, which resumes."""
+    cache = {}
+
+    def runs(step):
+        if step not in cache:
+            folder = tmp_path_factory.mktemp(step)
+            checkpoint = folder / "ckpt.pt"
+            args = [*SYNTHETIC, *batch_args(step), "--checkpoint", str(checkpoint)]
+            if step == "01_single_gpu":  # the reference is this very run
+                first = reference.run1
+                copy(reference.epoch1, checkpoint)
+            else:
+                first = run_step(step, [*args, "--epochs", "1"], folder)
+            epoch1 = copy(checkpoint, folder / "epoch1.pt")
+            second = run_step(step, [*args, "--epochs", "2"], folder)
+            cache[step] = Namespace(first=first, second=second, epoch1=epoch1, final=checkpoint)
+        return cache[step]
+    return runs
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_step_trains_and_prints_once_per_epoch(ladder, step):
+    runs = ladder(step)
+    assert runs.first.returncode == 0, runs.first
+    assert runs.second.returncode == 0, runs.second
+    [first] = runs.first.epochs()  # exactly one epoch line: only global rank 0 prints it
+    [second] = runs.second.epochs()
+    assert (first["epoch"], first["epochs"], second["epoch"], second["epochs"]) == (1, 1, 2, 2)
+    assert "resumed from" in runs.second.output and "after epoch 1" in runs.second.output
+    assert runs.second.output.count("resumed from") == 1
+    assert second["loss"] < 0.8 * first["loss"], (first, second)  # the loss falls
+    assert first["acc"] > 50 and second["acc"] > first["acc"] - 1, (first, second)  # chance is 10%
+    assert first["total"] == second["total"] == 2000  # every test sample counted once
+    assert first["samples_per_s"] > 0
+    if step not in ("01_single_gpu", "02_dataparallel"):
+        # every rank shows its launch facts once, and all agree on the world size and rendezvous
+        for result in (runs.first, runs.second):
+            launches = result.launches()  # (rank, world size, local rank, host, pid, device, backend, addr, port)
+            assert sorted(launch[0] for launch in launches) == ["0", "1"], result
+            assert {(launch[1], launch[5], launch[6], launch[7], launch[8]) for launch in launches} == {
+                ("2", "cpu", "gloo", launches[0][7], launches[0][8])}
+
+
+def test_checkpoint_format(ladder):
+    for step in STEPS:
+        state = torch.load(ladder(step).final, map_location="cpu")
+        assert state["epoch"] == 2, step
+        assert not any(key.startswith("module.") for key in state["model"]), step  # the unwrapped model
+        assert state["optimizer"]["state"], step  # momentum buffers, needed to resume exactly
+
+
+def test_all_steps_compute_the_same_weights(ladder, reference):
+    """Same seed and global batch: after one epoch every step holds the weights of the single process."""
+    single = weights(reference.epoch1)
+    diffs = {step: max_abs_diff(weights(ladder(step).epoch1), single) for step in STEPS}
+    print("max abs difference to 01 after one epoch:", {s: f"{d:.1e}" for s, d in diffs.items()})
+    assert diffs["01_single_gpu"] == 0
+    assert diffs["02_dataparallel"] == 0  # on a CPU, 02 runs the plain model
+    assert all(diff <= TOLERANCE for diff in diffs.values()), diffs
+    assert any(diff > 0 for diff in diffs.values())  # DDP really ran: it adds gradients in another order
+
+
+def test_resumed_runs_end_like_an_uninterrupted_one(ladder, reference):
+    uninterrupted = weights(reference.epoch2)
+    resumed = weights(ladder("01_single_gpu").final)
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bit for bit in one process
+    for step in STEPS[1:]:
+        assert max_abs_diff(weights(ladder(step).final), uninterrupted) <= TOLERANCE, step

@@ -1,0 +1,216 @@
+"""Steps 05 and 06 on a real two-node Slurm cluster that tests/slurm_cluster.sh starts on this machine:
+the user's own submit.sh and submitit's Slurm executor, on 1 node x 2 tasks and 2 nodes x 1 task,
+preemption that requeues and resumes, and two jobs at once on the same nodes."""
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (LAUNCH_LINE, REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff,
+                      submitit_logs, weights)
+
+pytestmark = pytest.mark.slurm
+CLUSTER = REPO / "tests" / "slurm_cluster.sh"
+LAYOUTS = {"1x2": (1, 2), "2x1": (2, 1)}  # nodes x tasks per node
+TRAIN_ARGS = [*SYNTHETIC, *batch_args("05_ddp_slurm")]
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A running cluster: the one already up (left running), or one started here and stopped after."""
+    def unavailable(reason):
+        if os.environ.get("REQUIRE_SLURM") == "1":  # CI: a skipped Slurm test would be a silent pass
+            pytest.fail(f"REQUIRE_SLURM=1 but {reason}")
+        pytest.skip(f"no local Slurm cluster: {reason}")
+
+    if subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True).returncode == 0:
+        yield
+        return
+    if os.geteuid() != 0:
+        unavailable("tests/slurm_cluster.sh needs root")
+    started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=900)
+    if started.returncode != 0:
+        unavailable(f"tests/slurm_cluster.sh start failed:\n{started.stderr}")
+    try:
+        yield
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def read(path):
+    path = Path(path)
+    return path.read_text() if path.exists() else ""
+
+
+def squeue(job_id):
+    return subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+# --- 05: the user's own submit.sh, with only command-line and environment overrides for the CPU ---
+
+def sbatch_05(tmp_path, nodes, tasks, train_args, wait=True):
+    """sbatch 05_ddp_slurm/submit.sh as a user would, overriding what a CPU-only cluster needs."""
+    cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks-per-node={tasks}", "--gpus-per-node=0",
+           "--cpus-per-task=1", "--time=10", f"--output={tmp_path}/%x-%j.out", *(["--wait"] if wait else []),
+           "05_ddp_slurm/submit.sh", *train_args]
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def job_id_of(proc):
+    return int(proc.stdout.readline().strip())
+
+
+def finish(proc, timeout):
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"sbatch --wait still waiting after {timeout} s")
+    return proc.returncode
+
+
+def check_job_log(log, nodes, tasks, epochs):
+    """One epoch line per epoch; one launch line per rank, on the nodes asked for; one rendezvous."""
+    result = Result(0, log, "", 0)
+    assert [int(e["epoch"]) for e in result.epochs()] == list(range(1, epochs + 1)), log
+    launches = result.launches()  # (rank, world, local rank, host, pid, device, backend, addr, port)
+    assert sorted(int(launch[0]) for launch in launches) == list(range(nodes * tasks)), log
+    assert {launch[3] for launch in launches} == {f"n{i + 1}" for i in range(nodes)}, log
+    assert len({(launch[7], launch[8]) for launch in launches}) == 1 and launches[0][7] == "n1", log
+    return launches
+
+
+@pytest.fixture(scope="session")
+def submit_sh_runs(slurm, reference, tmp_path_factory):
+    """Each layout once, two epochs without interruption (also the reference for the preemption test)."""
+    runs = {}
+    for layout, (nodes, tasks) in LAYOUTS.items():
+        folder = tmp_path_factory.mktemp(f"submit_sh_{layout}")
+        start = time.monotonic()
+        proc = sbatch_05(folder, nodes, tasks, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"])
+        job_id = job_id_of(proc)
+        code = finish(proc, 180)
+        runs[layout] = dict(code=code, job_id=job_id, log=read(f"{folder}/ddp-slurm-{job_id}.out"),
+                            checkpoint=folder / "ckpt.pt", seconds=time.monotonic() - start)
+    return runs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_submit_sh(submit_sh_runs, reference, layout):
+    run = submit_sh_runs[layout]
+    print(f"sbatch --wait 05_ddp_slurm/submit.sh on {layout}: {run['seconds']:.1f} s")
+    assert run["code"] == 0, run["log"]
+    launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
+    assert int(launches[0][8]) == 20000 + run["job_id"] % 10000  # the port follows the job id
+    assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
+
+
+def test_submit_sh_preemption_requeues_and_resumes(slurm, submit_sh_runs, reference, tmp_path):
+    """SIGUSR2 (what submit.sh asks Slurm to send before the time limit) in epoch 2: every rank stops at
+    one step, rank 0 saves it and requeues; the requeued job resumes there and ends as if never stopped."""
+    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"])
+    job_id = job_id_of(proc)
+    log_path = tmp_path / f"ddp-slurm-{job_id}.out"
+    wait_for(lambda: "epoch 1/2 |" in read(log_path), 120, "epoch 1")
+    subprocess.run(["scancel", "--signal=USR2", str(job_id)], check=True)
+    signalled = time.monotonic()
+    wait_for(lambda: "resumed from" in read(log_path), 120, "the requeued job to resume")
+    requeue_to_resume = time.monotonic() - signalled
+    assert finish(proc, 120) == 0
+    log = read(log_path)
+    print(f"05 requeue to resume: {requeue_to_resume:.1f} s")
+    stopped = re.search(r"^stopped at epoch 2 step (\d+) on SIGUSR2: requeueing job", log, re.M)
+    assert stopped and int(stopped.group(1)) > 0, log
+    assert f"after epoch 1 step {stopped.group(1)}" in log and "restart 1:" in log, log
+    assert [line for line in log.splitlines() if line.startswith("epoch ")][-1].startswith("epoch 2/2")
+    assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
+    resumed, uninterrupted = weights(f"{tmp_path}/ckpt.pt"), weights(submit_sh_runs["2x1"]["checkpoint"])
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bit for bit, same layout
+    assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
+
+
+def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
+    """Two jobs share both nodes at the same time; each rendezvous gets its own port."""
+    for name in "ab":
+        (tmp_path / name).mkdir()  # Slurm does not create the folder of --output
+    procs = [sbatch_05(tmp_path / name, 2, 1, [*TRAIN_ARGS, "--epochs", "1",
+                                               "--checkpoint", f"{tmp_path}/{name}.pt"]) for name in ("a", "b")]
+    job_ids = [job_id_of(proc) for proc in procs]
+    wait_for(lambda: all(squeue(job_id) == "RUNNING" for job_id in job_ids), 60, "both jobs running together")
+    assert [finish(proc, 120) for proc in procs] == [0, 0]
+    logs = [read(f"{tmp_path}/{name}/ddp-slurm-{job_id}.out") for name, job_id in zip("ab", job_ids)]
+    ports = {check_job_log(log, 2, 1, epochs=1)[0][8] for log in logs}
+    assert len(ports) == 2, logs
+    for name in "ab":
+        assert max_abs_diff(weights(f"{tmp_path}/{name}.pt"), weights(reference.epoch1)) <= TOLERANCE
+
+
+# --- 06: submitit's Slurm executor ---
+
+def launch_06(log_dir, nodes, tasks, train_args):
+    cmd = [sys.executable, "06_ddp_submitit/train.py", "--nodes", str(nodes), "--tasks-per-node", str(tasks),
+           "--gpus-per-node", "0", "--timeout-min", "10", "--log-dir", str(log_dir), *train_args]
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def submitit_runs(slurm, tmp_path_factory):
+    runs = {}
+    for layout, (nodes, tasks) in LAYOUTS.items():
+        folder = tmp_path_factory.mktemp(f"submitit_{layout}")
+        start = time.monotonic()
+        proc = launch_06(folder / "logs", nodes, tasks, [*TRAIN_ARGS, "--epochs", "2",
+                                                         "--checkpoint", f"{folder}/ckpt.pt"])
+        code = finish(proc, 180)
+        runs[layout] = dict(code=code, out=proc.stdout.read(), log=submitit_logs(folder / "logs"),
+                            checkpoint=folder / "ckpt.pt", seconds=time.monotonic() - start)
+    return runs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_submitit_on_slurm(submitit_runs, reference, layout):
+    run = submitit_runs[layout]
+    print(f"06 through submitit's Slurm executor on {layout}: {run['seconds']:.1f} s")
+    assert run["code"] == 0, run["out"] + run["log"]
+    assert re.search(r"^submitted job \d+; logs in \S+", run["out"], re.M), run["out"]
+    check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
+    assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
+
+
+def test_submitit_preemption_requeues_and_resumes(slurm, submitit_runs, reference, tmp_path):
+    proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"])
+    submitted = wait_for(lambda: re.search(r"submitted job (\d+)", proc.stdout.readline() or ""), 60, "submission")
+    job_id = submitted.group(1)
+    rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
+    wait_for(lambda: "epoch 1/2 |" in rank0_log(), 120, "epoch 1")
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    signalled = time.monotonic()
+    wait_for(lambda: "resumed from" in rank0_log(), 120, "the requeued job to resume")
+    requeue_to_resume = time.monotonic() - signalled
+    assert finish(proc, 120) == 0, proc.stderr.read()
+    log = rank0_log()
+    print(f"06 requeue to resume: {requeue_to_resume:.1f} s")
+    stopped = re.search(r"^stopped at epoch 2 step (\d+) on SIGUSR2: submitit requeues the job", log, re.M)
+    assert stopped and int(stopped.group(1)) > 0, log
+    assert f"after epoch 1 step {stopped.group(1)}" in log and "Requeued job" in log, log
+    assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
+    resumed, uninterrupted = weights(f"{tmp_path}/ckpt.pt"), weights(submitit_runs["2x1"]["checkpoint"])
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE

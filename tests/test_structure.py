@@ -1,0 +1,80 @@
+"""The ladder's promises about its text: what a step does not change stays byte-identical and in the same
+order, every train.py stands alone (no import from another folder), and nothing hard-codes CUDA."""
+import ast
+import re
+
+import pytest
+
+from conftest import REPO, STEPS
+
+# The order every train.py follows (a step may lack some), and, for each top-level definition, the runs
+# of consecutive steps that must hold it byte for byte. A new step-specific change belongs in this table.
+ORDER = ["parse_args", "download_mnist", "load_datasets", "Net", "STOP", "stop_requested", "train_one_epoch",
+         "evaluate", "save_checkpoint", "load_checkpoint", "setup", "train", "run", "requeue", "Trainer", "main"]
+SHARED = {
+    "download_mnist": ["01 02 03 04 05 06"],
+    "load_datasets": ["01 02 03 04 05 06"],
+    "Net": ["01 02 03 04 05 06"],
+    "parse_args": ["01 02", "04 05"],
+    "train_one_epoch": ["01 02", "03 04", "05 06"],
+    "evaluate": ["01 02", "03 04 05 06"],
+    "save_checkpoint": ["01 02 03 04", "05 06"],
+    "load_checkpoint": ["01 02 03 04", "05 06"],
+    "setup": ["03 04 05 06"],
+    "train": ["03 04", "05 06"],
+    "STOP": ["05 06"],
+    "stop_requested": ["05 06"],
+}
+ALLOWED_IMPORTS = {"argparse", "os", "signal", "socket", "subprocess", "sys", "time", "torch", "torchvision",
+                   "submitit"}
+
+
+def definitions(step):
+    source = (REPO / step / "train.py").read_text()
+    lines = source.splitlines(keepends=True)
+    found = {}
+    for node in ast.parse(source).body:
+        name = getattr(node, "name", None) or (node.targets[0].id if isinstance(node, ast.Assign) else None)
+        if name:
+            first = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
+            found[name] = "".join(lines[first - 1:node.end_lineno])
+    return found
+
+
+@pytest.mark.parametrize("name", list(SHARED))
+def test_unchanged_parts_are_byte_identical(name):
+    by_number = {step[:2]: definitions(step) for step in STEPS}
+    for group in SHARED[name]:
+        texts = {number: by_number[number][name] for number in group.split()}
+        first = texts[group.split()[0]]
+        assert all(text == first for text in texts.values()), f"{name} differs within steps {group}"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_definitions_keep_the_common_order(step):
+    names = list(definitions(step))
+    assert all(name in ORDER for name in names), names
+    assert names == sorted(names, key=ORDER.index)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_each_script_stands_alone(step):
+    tree = ast.parse((REPO / step / "train.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"relative import in {step}"
+            imported.add(node.module.split(".")[0])
+    assert imported <= ALLOWED_IMPORTS, imported - ALLOWED_IMPORTS
+    assert "sys.path" not in (REPO / step / "train.py").read_text()
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_no_hard_coded_cuda(step):
+    source = (REPO / step / "train.py").read_text()
+    assert not re.search(r"\.cuda\(|[\"']cuda:\d", source)
+    for line in source.splitlines():
+        if 'torch.device("cuda"' in line:  # only where a GPU was found
+            assert "is_available()" in line or "local_rank" in line, line
