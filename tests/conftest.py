@@ -156,3 +156,25 @@ def reference(tmp_path_factory):
 def copy(src, dst):
     shutil.copyfile(src, dst)
     return Path(dst)
+
+
+@pytest.fixture(scope="session")
+def ladder(reference, tmp_path_factory):
+    """runs(step): one epoch with a checkpoint, then the same command with --epochs 2, which resumes."""
+    cache = {}
+
+    def runs(step):
+        if step not in cache:
+            folder = tmp_path_factory.mktemp(step)
+            checkpoint = folder / "ckpt.pt"
+            args = [*SYNTHETIC, *batch_args(step), "--checkpoint", str(checkpoint)]
+            if step == "01_single_gpu":  # the reference is this very run
+                first = reference.run1
+                copy(reference.epoch1, checkpoint)
+            else:
+                first = run_step(step, [*args, "--epochs", "1"], folder)
+            epoch1 = copy(checkpoint, folder / "epoch1.pt")
+            second = run_step(step, [*args, "--epochs", "2"], folder)
+            cache[step] = Namespace(first=first, second=second, epoch1=epoch1, final=checkpoint)
+        return cache[step]
+    return runs

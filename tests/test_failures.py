@@ -1,4 +1,5 @@
-"""A rank that dies does not leave the others hanging, and torchrun's restart resumes from the checkpoint."""
+"""When things go wrong: a rank that dies does not leave the others hanging, torchrun's restart resumes
+from the checkpoint, and a submitit job preempted on this machine requeues itself and resumes."""
 import os
 import signal
 import subprocess
@@ -7,8 +8,10 @@ import time
 
 import pytest
 
+import torch
+
 from conftest import (LAUNCH_LINE, REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff,
-                      weights)
+                      submitit_logs, weights)
 
 
 def start(cmd, env):
@@ -80,3 +83,25 @@ def test_torchrun_restart_resumes_from_the_checkpoint(tmp_path, reference):
     assert result.output.count("resumed from") == 1 and "after epoch 1" in result.output, result
     assert result.output.count("epoch 1/2 |") == 1 and result.output.count("epoch 2/2 |") == 1, result
     assert max_abs_diff(weights(checkpoint), weights(reference.epoch2)) <= TOLERANCE
+
+
+def test_submitit_local_preemption_requeues_and_resumes(tmp_path, ladder):
+    """SIGUSR2 to both tasks of a --local job in epoch 2: they stop at one step, rank 0 saves it and
+    submitit's handler requeues the job on this machine; it resumes there and ends like the ladder's run."""
+    checkpoint, logs = tmp_path / "ckpt.pt", tmp_path / "logs"
+    proc = start([sys.executable, "06_ddp_submitit/train.py", "--local", "--tasks-per-node", "2", "--log-dir",
+                  str(logs), *SYNTHETIC, *batch_args("06_ddp_submitit"), "--epochs", "2",
+                  "--checkpoint", str(checkpoint)], child_env())
+    deadline = time.monotonic() + 60
+    while "epoch 1/2 |" not in submitit_logs(logs):
+        assert time.monotonic() < deadline and proc.poll() is None, submitit_logs(logs)
+        time.sleep(0.1)
+    for match in LAUNCH_LINE.finditer(submitit_logs(logs)):
+        os.kill(int(match.group(5)), signal.SIGUSR2)
+    result = finish(proc, [], timeout=90)
+    log = submitit_logs(logs)
+    assert result.returncode == 0, result.output + log
+    assert "stopped at epoch 2 step" in log and "Requeued job" in log and "after epoch 1 step" in log, log
+    assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
+    resumed, uninterrupted = weights(checkpoint), weights(ladder("06_ddp_submitit").final)
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)

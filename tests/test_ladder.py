@@ -1,33 +1,9 @@
 """Every step trains on the synthetic data (one process for 01 and 02, two Gloo ranks for 03 to 06),
 is interrupted after one epoch and resumed for a second, and all of them compute the same weights."""
-from argparse import Namespace
-
 import pytest
 import torch
 
-from conftest import (STEPS, SYNTHETIC, TOLERANCE, batch_args, copy, max_abs_diff, run_step, weights)
-
-
-@pytest.fixture(scope="session")
-def ladder(reference, tmp_path_factory):
-    """runs(step): one epoch with a checkpoint, then the same command with --epochs 2, which resumes."""
-    cache = {}
-
-    def runs(step):
-        if step not in cache:
-            folder = tmp_path_factory.mktemp(step)
-            checkpoint = folder / "ckpt.pt"
-            args = [*SYNTHETIC, *batch_args(step), "--checkpoint", str(checkpoint)]
-            if step == "01_single_gpu":  # the reference is this very run
-                first = reference.run1
-                copy(reference.epoch1, checkpoint)
-            else:
-                first = run_step(step, [*args, "--epochs", "1"], folder)
-            epoch1 = copy(checkpoint, folder / "epoch1.pt")
-            second = run_step(step, [*args, "--epochs", "2"], folder)
-            cache[step] = Namespace(first=first, second=second, epoch1=epoch1, final=checkpoint)
-        return cache[step]
-    return runs
+from conftest import STEPS, TOLERANCE, max_abs_diff, weights
 
 
 @pytest.mark.parametrize("step", STEPS)

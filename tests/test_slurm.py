@@ -124,7 +124,9 @@ def test_submit_sh(submit_sh_runs, reference, layout):
 def test_submit_sh_preemption_requeues_and_resumes(slurm, submit_sh_runs, reference, tmp_path):
     """SIGUSR2 (what submit.sh asks Slurm to send before the time limit) in epoch 2: every rank stops at
     one step, rank 0 saves it and requeues; the requeued job resumes there and ends as if never stopped."""
-    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"])
+    # One data-loader worker per rank: Slurm signals every process of the step, the workers too.
+    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2",
+                                      "--checkpoint", f"{tmp_path}/ckpt.pt"])
     job_id = job_id_of(proc)
     log_path = tmp_path / f"ddp-slurm-{job_id}.out"
     wait_for(lambda: "epoch 1/2 |" in read(log_path), 120, "epoch 1")
@@ -195,7 +197,8 @@ def test_submitit_on_slurm(submitit_runs, reference, layout):
 
 
 def test_submitit_preemption_requeues_and_resumes(slurm, submitit_runs, reference, tmp_path):
-    proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"])
+    proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2",
+                                               "--checkpoint", f"{tmp_path}/ckpt.pt"])
     submitted = wait_for(lambda: re.search(r"submitted job (\d+)", proc.stdout.readline() or ""), 60, "submission")
     job_id = submitted.group(1)
     rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
