@@ -151,12 +151,12 @@ def train(args, device):
         generator.manual_seed(args.seed + epoch)
         start = time.perf_counter()
         loss, samples = train_one_epoch(dp_model, train_loader, optimizer, device)
-        train_seconds = time.perf_counter() - start
+        train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
         if args.checkpoint:
             save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
-                   f"({correct}/{total}) | {samples / train_seconds:.0f} samples/s | {time.perf_counter() - start:.1f} s")
+                   f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")
         print(summary, flush=True)
 
 

@@ -199,13 +199,13 @@ def train(args, rank, world_size, device):
             dist.barrier()
             return requeue(is_main, f"epoch {epoch + 1} step {stopped_at}")
         start_step = 0
-        train_seconds = time.perf_counter() - start
+        train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
         dist.barrier()  # DDP: the others wait until the checkpoint is complete
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
-                   f"({correct}/{total}) | {samples / train_seconds:.0f} samples/s | {time.perf_counter() - start:.1f} s")
+                   f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")
         if is_main:
             print(summary, flush=True)
 

@@ -45,8 +45,10 @@ def parse_args():
     parser.add_argument("--partition", help="Slurm partition (default: the cluster's default)")
     parser.add_argument("--log-dir", default="submitit_logs", help="every job gets a new log folder in here")
     args = parser.parse_args()
-    if min(args.nodes, args.tasks_per_node, args.cpus_per_task, args.timeout_min) < 1 or (args.local and args.nodes > 1):
-        parser.error("--nodes, --tasks-per-node, --cpus-per-task, --timeout-min must be at least 1; --local means 1 node")
+    if min(args.nodes, args.tasks_per_node, args.cpus_per_task, args.timeout_min) < 1:
+        parser.error("--nodes, --tasks-per-node, --cpus-per-task and --timeout-min must be at least 1")
+    if args.local and args.nodes > 1:
+        parser.error("--local runs the tasks on this machine: one node")
     if args.epochs < 1 or args.batch_size < 1 or args.workers < 0 or not args.lr > 0:
         parser.error("--epochs and --batch-size must be at least 1, --workers at least 0, --lr above 0")
     return args
@@ -211,13 +213,13 @@ def train(args, rank, world_size, device):
             dist.barrier()
             return requeue(is_main, f"epoch {epoch + 1} step {stopped_at}")
         start_step = 0
-        train_seconds = time.perf_counter() - start
+        train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
         dist.barrier()  # DDP: the others wait until the checkpoint is complete
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
-                   f"({correct}/{total}) | {samples / train_seconds:.0f} samples/s | {time.perf_counter() - start:.1f} s")
+                   f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")
         if is_main:
             print(summary, flush=True)
 

@@ -47,7 +47,8 @@ class Result:
         return [m.groups() for m in LAUNCH_LINE.finditer(self.output)]
 
     def __repr__(self):
-        return f"exit {self.returncode} after {self.seconds:.1f} s\n--- output\n{self.output}\n--- stderr\n{self.stderr}"
+        return (f"exit {self.returncode} after {self.seconds:.1f} s\n--- output\n{self.output}\n"
+                f"--- stderr\n{self.stderr}")
 
 
 def run(cmd, timeout=120, env=None, cwd=REPO):

@@ -58,7 +58,8 @@ def read(path):
 
 
 def squeue(job_id):
-    return subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    states = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True)
+    return states.stdout.strip()
 
 
 # --- 05: the user's own submit.sh, with only command-line and environment overrides for the CPU ---
