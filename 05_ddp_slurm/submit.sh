@@ -8,7 +8,7 @@
 #SBATCH --job-name=ddp-slurm        # shown by squeue; the %x in the log name
 #SBATCH --nodes=2                   # machines
 #SBATCH --ntasks-per-node=4         # processes per machine: one per GPU, so equal to --gpus-per-node
-#SBATCH --gpus-per-node=4           # GPUs per machine
+#SBATCH --gpus-per-node=4           # GPUs per machine; every task sees all of them (not --gpus-per-task)
 #SBATCH --cpus-per-task=8           # cores per process: its threads and its data-loader workers
 #SBATCH --time=01:00:00             # wall-clock limit
 #SBATCH --signal=USR2@120           # SIGUSR2 to every task 120 s before the limit: checkpoint and requeue
