@@ -3,6 +3,7 @@ what it printed and compare the weights in its checkpoints. Every process has a 
 import importlib.util
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -63,6 +64,17 @@ def run(cmd, timeout=120, env=None, cwd=REPO):
         out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout} s: {cmd}\n{out}\n{err}")
     return Result(proc.returncode, out, err, time.monotonic() - start)
+
+
+def read_line(proc, deadline):
+    """The next line proc writes, or "" at its end; fails the test at the deadline (time.monotonic()) even
+    when proc hangs without a word, where a plain readline() would wait for ever."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no output from {proc.args} before the deadline")
+        return proc.stdout.readline()
 
 
 def free_port():

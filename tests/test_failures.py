@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import (LAUNCH_LINE, REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff,
-                      submitit_logs, weights)
+                      read_line, submitit_logs, weights)
 
 
 def start(cmd, env):
@@ -22,8 +22,8 @@ def start(cmd, env):
 def read_until(proc, pattern, lines, timeout=60):
     """Reads proc's output line by line until one matches pattern; returns the match."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
+    while True:
+        line = read_line(proc, deadline)
         if not line:
             break
         lines.append(line)

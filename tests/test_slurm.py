@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (LAUNCH_LINE, REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff,
+from conftest import (REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff, read_line,
                       submitit_logs, weights)
 
 pytestmark = pytest.mark.slurm
@@ -74,7 +74,7 @@ def sbatch_05(tmp_path, nodes, tasks, train_args, wait=True):
 
 
 def job_id_of(proc):
-    return int(proc.stdout.readline().strip())
+    return int(read_line(proc, time.monotonic() + 60).strip())  # sbatch --parsable prints it first
 
 
 def finish(proc, timeout):
@@ -200,7 +200,8 @@ def test_submitit_on_slurm(submitit_runs, reference, layout):
 def test_submitit_preemption_requeues_and_resumes(slurm, submitit_runs, reference, tmp_path):
     proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2",
                                                "--checkpoint", f"{tmp_path}/ckpt.pt"])
-    submitted = wait_for(lambda: re.search(r"submitted job (\d+)", proc.stdout.readline() or ""), 60, "submission")
+    deadline = time.monotonic() + 60
+    submitted = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission")
     job_id = submitted.group(1)
     rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
     wait_for(lambda: "epoch 1/2 |" in rank0_log(), 120, "epoch 1")
