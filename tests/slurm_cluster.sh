@@ -13,7 +13,7 @@
 # State and logs live in $SLURM_TEST_DIR (default /tmp/ddp-ladder-slurm). Start adds two lines to
 # /etc/hosts and installs /etc/slurm/slurm.conf (saving any existing one); stop undoes both and
 # stops the daemons by the PIDs that start recorded, never by name.
-set -euo pipefail
+set -Eeuo pipefail  # -E: the ERR trap of start also fires inside the functions it calls
 
 STATE=${SLURM_TEST_DIR:-/tmp/ddp-ladder-slurm}
 SUBNET=${SLURM_TEST_SUBNET:-10.213.0}  # private /24 for the bridge; change it if it clashes with yours
@@ -90,8 +90,24 @@ EOF
     >>"$STATE/slurm.conf"
 }
 
+remove_network() {
+  local node
+  for node in "${NODES[@]}"; do
+    ip netns del "ddpl-$node" 2>/dev/null || true
+    ip link del "ddpl-$node" 2>/dev/null || true  # the veth pair, if a process still holds the namespace
+  done
+  ip link del "$BRIDGE" 2>/dev/null || true
+  if grep -q "$MARK" /etc/hosts; then
+    # /etc/hosts may be a bind mount: rewrite it in place instead of replacing the file.
+    grep -v "$MARK" /etc/hosts >"$STATE/hosts.new" || true
+    cat "$STATE/hosts.new" >/etc/hosts
+    rm -f "$STATE/hosts.new"
+  fi
+}
+
 setup_network() {
   local node i=0
+  remove_network  # leftovers of a run that was killed before its stop
   ip link add "$BRIDGE" type bridge
   ip addr add "$SUBNET.1/24" dev "$BRIDGE"
   ip link set "$BRIDGE" up
@@ -112,9 +128,10 @@ start() {
   [[ -d $STATE/pids ]] && { log "a previous cluster is recorded in $STATE: stopping it first"; stop; }
   install_packages
   mkdir -p "$STATE"/{pids,log,ctld,munge} "${NODES[@]/#/$STATE/spool/}"
-  # munged refuses a socket folder that others may write to and a key it does not own.
+  trap 'trap - ERR; log "start failed: undoing what it did"; stop' ERR
+  # munged refuses a socket folder that others may write to; every user's sbatch must reach the socket.
   chown munge: "$STATE/munge"
-  chmod 700 "$STATE/munge"
+  chmod 755 "$STATE/munge"
   spawn munged setpriv --reuid=munge --regid=munge --init-groups munged --foreground --force --socket="$STATE/munge/munge.socket" \
     --pid-file="$STATE/munge/munged.pid" --log-file="$STATE/munge/munged.log" \
     --seed-file="$STATE/munge/munged.seed"
@@ -135,9 +152,14 @@ start() {
   local states=""
   for _ in $(seq 100); do
     states=$(sinfo -h -N -o '%N=%T' 2>/dev/null | sort -u | tr '\n' ' ')
-    [[ $(grep -o '=idle' <<<"$states" | wc -l) == "${#NODES[@]}" ]] && { log "up: $states"; return; }
+    if [[ $(grep -o '=idle' <<<"$states" | wc -l) == "${#NODES[@]}" ]]; then
+      trap - ERR
+      log "up: $states"
+      return
+    fi
     sleep 0.2
   done
+  trap - ERR
   log "nodes not idle after 20 s: ${states:-no answer}"
   tail -n 5 "$STATE"/log/*.log >&2 || true
   stop
@@ -171,15 +193,8 @@ stop() {
       [[ -f $STATE/pids/$name ]] && stop_pid "$STATE/pids/$name"
     done
   fi
-  for node in "${NODES[@]}"; do
-    ip netns del "ddpl-$node" 2>/dev/null || true
-  done
-  ip link del "$BRIDGE" 2>/dev/null || true
-  if grep -q "$MARK" /etc/hosts; then
-    # /etc/hosts may be a bind mount: rewrite it in place instead of replacing the file.
-    grep -v "$MARK" /etc/hosts >"$STATE/hosts.new" || true
-    cat "$STATE/hosts.new" >/etc/hosts
-  fi
+  mkdir -p "$STATE"
+  remove_network
   if [[ -f $STATE/slurm.conf.orig ]]; then
     cp -p "$STATE/slurm.conf.orig" "$CONF"
   elif [[ -f $CONF ]] && grep -q "$MARK" "$CONF"; then
