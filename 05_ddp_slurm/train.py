@@ -197,7 +197,8 @@ def train(args, rank, world_size, device):
             if args.checkpoint and is_main:
                 save_checkpoint(args.checkpoint, model, optimizer, epoch, stopped_at)
             dist.barrier()
-            return requeue(is_main, f"epoch {epoch + 1} step {stopped_at}")
+            note = "" if args.checkpoint else " (no --checkpoint: the job will start over)"
+            return requeue(is_main, f"epoch {epoch + 1} step {stopped_at}{note}")
         start_step = 0
         train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
