@@ -1,9 +1,11 @@
 """Every step trains on the synthetic data (one process for 01 and 02, two Gloo ranks for 03 to 06),
 is interrupted after one epoch and resumed for a second, and all of them compute the same weights."""
+import sys
+
 import pytest
 import torch
 
-from conftest import STEPS, TOLERANCE, max_abs_diff, weights
+from conftest import STEPS, SYNTHETIC, TOLERANCE, batch_args, max_abs_diff, run, weights
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -54,3 +56,17 @@ def test_resumed_runs_end_like_an_uninterrupted_one(ladder, reference):
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bit for bit in one process
     for step in STEPS[1:]:
         assert max_abs_diff(weights(ladder(step).final), uninterrupted) <= TOLERANCE, step
+
+
+def test_the_seed_decides_the_run(reference, tmp_path):
+    """--seed reaches the initial weights and the data order: the same seed repeats a run exactly (the
+    reference run, repeated), another seed gives another run."""
+    runs = {}
+    for seed in ("0", "1"):
+        result = run([sys.executable, "01_single_gpu/train.py", *SYNTHETIC, *batch_args("01_single_gpu"),
+                      "--epochs", "1", "--seed", seed, "--checkpoint", str(tmp_path / f"{seed}.pt")])
+        assert result.returncode == 0, result
+        runs[seed] = weights(tmp_path / f"{seed}.pt")
+    same = weights(reference.epoch1)
+    assert all(torch.equal(runs["0"][k], same[k]) for k in same)
+    assert max_abs_diff(runs["1"], same) > 0.01
