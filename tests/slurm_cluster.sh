@@ -2,17 +2,20 @@
 # A real two-node Slurm cluster on this one machine, for the tests and for trying the ladder
 # without a cluster.
 #
-#   sudo tests/slurm_cluster.sh start     # install what is missing, start munged, slurmctld, slurmd n1 and n2
+#   sudo tests/slurm_cluster.sh start     # install what is missing, start munged, MariaDB, slurmdbd, slurmctld,
+#                                         # slurmd n1 and n2
 #   sbatch 05_ddp_slurm/submit.sh ...      # then use it like any cluster (see the README)
 #   sudo tests/slurm_cluster.sh stop      # stop exactly what start started and undo its changes
 #   tests/slurm_cluster.sh status
 #
 # Each slurmd runs in a network namespace of its own (hostnames n1 and n2, addresses on a private
 # bridge that exists only on this machine), so MASTER_ADDR resolution and cross-node rendezvous
-# are exercised as on a real cluster. Needs root: namespaces, apt-get and /etc/slurm/slurm.conf.
-# State and logs live in $SLURM_TEST_DIR (default /tmp/ddp-ladder-slurm). Start adds two lines to
-# /etc/hosts and installs /etc/slurm/slurm.conf (saving any existing one); stop undoes both and
-# stops the daemons by the PIDs that start recorded, never by name.
+# are exercised as on a real cluster. Accounting works as at real sites: slurmctld records every job
+# through slurmdbd in a MariaDB server of its own, so sacct (and submitit, which polls it) sees the
+# jobs. Needs root: namespaces, apt-get and /etc/slurm/slurm.conf.
+# State, logs and the database live in $SLURM_TEST_DIR (default /tmp/ddp-ladder-slurm). Start adds two
+# lines to /etc/hosts and installs /etc/slurm/slurm.conf (saving any existing one); stop undoes both,
+# stops the daemons by the PIDs that start recorded, never by name, and removes $SLURM_TEST_DIR.
 set -Eeuo pipefail  # -E: the ERR trap of start also fires inside the functions it calls
 
 STATE=${SLURM_TEST_DIR:-/tmp/ddp-ladder-slurm}
@@ -20,15 +23,24 @@ SUBNET=${SLURM_TEST_SUBNET:-10.213.0}  # private /24 for the bridge; change it i
 BRIDGE=ddpl-br0
 NODES=(n1 n2)
 CPUS_PER_NODE=2
+DBD_PORT=16819  # slurmdbd, beside slurmctld's 16817 (the defaults 6817-6819 stay free for a site's own Slurm)
+DB_PORT=16820   # MariaDB, on 127.0.0.1 only (not the default 3306, which a system MariaDB may hold)
 MARK="# ddp-ladder test cluster"
 CONF=/etc/slurm/slurm.conf
 
 log() { echo "slurm_cluster: $*" >&2; }
-die() { log "error: $*"; exit 1; }
+# Exits with the message; during a start, first undoes what the start did (as its ERR trap does).
+die() {
+  log "error: $*"
+  [[ $(trap -p ERR) == *undo_start* ]] && undo_start
+  exit 1
+}
+undo_start() { trap - ERR; log "start failed: undoing what it did"; stop; }
 
 install_packages() {
   local missing=()
-  for cmd in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge; do
+  for cmd in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge slurmdbd:slurmdbd \
+    mariadbd:mariadb-server; do
     command -v "${cmd%%:*}" >/dev/null || missing+=("${cmd#*:}")
   done
   ((${#missing[@]} == 0)) && return
@@ -80,6 +92,13 @@ MinJobAge=4
 SchedulerParameters=sched_interval=2,bf_interval=1
 KillWait=2
 EnforcePartLimits=ALL
+# Accounting: slurmctld sends every job's record to slurmdbd, on the bridge's address so that sacct
+# works from this machine and from inside the nodes. Nothing is enforced: any user may run jobs.
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=$SUBNET.1
+AccountingStoragePort=$DBD_PORT
+# With slurmdbd this names the munge socket for its connections (default /run/munge/munge.socket.2): ours.
+AccountingStoragePass=$STATE/munge/munge.socket
 EOF
   for node in "${NODES[@]}"; do
     i=$((i + 1))
@@ -88,6 +107,74 @@ EOF
   done
   echo "PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP" \
     >>"$STATE/slurm.conf"
+}
+
+# slurmdbd reads slurmdbd.conf from the folder of $SLURM_CONF, so it stays in $STATE and /etc/slurm gets no
+# copy. It holds the database password, so slurmdbd refuses it unless its mode is 600 and SlurmUser owns it.
+write_dbd_conf() {
+  local password=$1
+  rm -f "$STATE/slurmdbd.conf"
+  (umask 077 && cat >"$STATE/slurmdbd.conf" <<EOF
+$MARK: written by tests/slurm_cluster.sh for the slurmdbd that it starts
+AuthType=auth/munge
+AuthInfo=socket=$STATE/munge/munge.socket
+# slurmdbd checks DbdHost against its own hostname; localhost always matches. It listens on DbdPort.
+DbdHost=localhost
+DbdPort=$DBD_PORT
+SlurmUser=root
+PidFile=$STATE/slurmdbd.pid
+LogFile=$STATE/log/slurmdbd.log
+# The MariaDB server that start runs, over TCP; slurmdbd creates the database and its tables itself.
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=$password
+StorageLoc=slurm_acct_db
+EOF
+  )
+  chown root: "$STATE/slurmdbd.conf"
+}
+
+# The MariaDB server's options, for mariadb-install-db and the server alike. --no-defaults: none of
+# /etc/mysql, which belongs to a system MariaDB. The InnoDB sizes are the smallest that slurmdbd does not
+# call "not recommended" in its log (half its advice); the buffer pool is mapped, not filled, at start.
+DB_OPTIONS=(--no-defaults --user=mysql --datadir="$STATE/db/data" --innodb-buffer-pool-size=512M
+  --innodb-log-file-size=32M --innodb-lock-wait-timeout=900)
+
+# Initialises a database in $STATE/db, starts MariaDB on it (TCP on 127.0.0.1 only, no name lookups for
+# the clients' addresses) and creates the user slurmdbd logs in as, with the password given.
+start_database() {
+  local password=$1
+  rm -rf "$STATE/db"  # a stopped cluster's database, kept with KEEP_LOGS=1: every start begins empty
+  mkdir -p "$STATE/db"
+  chown mysql: "$STATE/db"
+  mariadb-install-db "${DB_OPTIONS[@]}" --skip-test-db --auth-root-authentication-method=socket \
+    >"$STATE/log/mariadb-install-db.out" 2>&1 ||
+    die "mariadb-install-db failed: $(tail -n 5 "$STATE/log/mariadb-install-db.out")"
+  spawn mariadbd mariadbd "${DB_OPTIONS[@]}" --port="$DB_PORT" --bind-address=127.0.0.1 --skip-name-resolve \
+    --socket="$STATE/db/mysqld.sock" --pid-file="$STATE/db/mariadbd.pid" --log-error="$STATE/log/mariadbd.log"
+  wait_until "MariaDB (see $STATE/log/mariadbd.log)" \
+    timeout 5 mariadb-admin --no-defaults --socket="$STATE/db/mysqld.sock" --silent ping
+  # OS root logs in as the database's root through the socket (unix_socket authentication).
+  printf '%s\n' "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$password';" \
+    "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" |
+    mariadb --no-defaults --socket="$STATE/db/mysqld.sock" -u root
+}
+
+# Runs "$@" (a command or function that returns within seconds) until it succeeds, for at most 20 s;
+# fails with what it waited for otherwise.
+wait_until() {
+  local what=$1 deadline=$((SECONDS + 20)); shift
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || die "$what not ready after 20 s"
+    sleep 0.2
+  done
+}
+
+# slurmctld registers the cluster itself (slurmdbd adds a cluster it does not know); true once it has.
+cluster_registered() {
+  [[ $(timeout 5 sacctmgr -n -P show cluster ddpladder format=cluster,controlhost) == ddpladder\|?* ]]
 }
 
 remove_network() {
@@ -128,7 +215,7 @@ start() {
   [[ -d $STATE/pids ]] && { log "a previous cluster is recorded in $STATE: stopping it first"; stop; }
   install_packages
   mkdir -p "$STATE"/{pids,log,ctld,munge} "${NODES[@]/#/$STATE/spool/}"
-  trap 'trap - ERR; log "start failed: undoing what it did"; stop' ERR
+  trap undo_start ERR
   # munged refuses a socket folder that others may write to; every user's sbatch must reach the socket.
   chown munge: "$STATE/munge"
   chmod 755 "$STATE/munge"
@@ -142,6 +229,13 @@ start() {
   setup_network
   for _ in $(seq 50); do [[ -S $STATE/munge/munge.socket ]] && break; sleep 0.1; done
   [[ -S $STATE/munge/munge.socket ]] || die "munged did not start: $(cat "$STATE/log/munged.out")"
+  # The database password lives only in slurmdbd.conf; every start makes a new one.
+  local password
+  password=$(head -c 24 /dev/urandom | base64 | tr -dc A-Za-z0-9)
+  start_database "$password"
+  write_dbd_conf "$password"
+  spawn slurmdbd env SLURM_CONF="$STATE/slurm.conf" slurmdbd -D
+  wait_until "slurmdbd (see $STATE/log/slurmdbd.log)" timeout 5 sacctmgr -n show cluster
   spawn slurmctld slurmctld -D -f "$CONF"
   for node in "${NODES[@]}"; do
     # nsenter joins the node's network namespace, unshare gives it its own hostname; both exec,
@@ -153,6 +247,7 @@ start() {
   for _ in $(seq 100); do
     states=$(sinfo -h -N -o '%N=%T' 2>/dev/null | sort -u | tr '\n' ' ')
     if [[ $(grep -o '=idle' <<<"$states" | wc -l) == "${#NODES[@]}" ]]; then
+      wait_until "the cluster's registration in slurmdbd" cluster_registered
       trap - ERR
       log "up: $states"
       return
@@ -166,16 +261,27 @@ start() {
   exit 1
 }
 
-# Sends TERM to a recorded PID (only if it is still the process that start started), then KILL.
-stop_pid() {
-  local file=$1 pid
-  pid=$(cat "$file")
-  [[ -d /proc/$pid && $(cat "/proc/$pid/cmdline" 2>/dev/null | tr '\0' ' ') == *"$(basename "$file" | cut -d- -f1)"* ]] ||
-    { rm -f "$file"; return; }
-  kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 50); do [[ -d /proc/$pid ]] || break; sleep 0.1; done
-  [[ -d /proc/$pid ]] && kill -KILL "$pid" 2>/dev/null || true
-  rm -f "$file"
+# Sends TERM to the recorded PIDs, each only if it is still the process that start started, all at once
+# (each daemon takes about 2 s to exit), waits up to 5 s for them, then sends KILL to any left.
+stop_pids() {
+  local file pid pids=()
+  for file in "$@"; do
+    [[ -f $file ]] || continue
+    pid=$(cat "$file")
+    rm -f "$file"
+    [[ -d /proc/$pid && $(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") == *"$(basename "$file" | cut -d- -f1)"* ]] ||
+      continue
+    kill -TERM "$pid" 2>/dev/null || true
+    pids+=("$pid")
+  done
+  for _ in $(seq 50); do any_alive "${pids[@]}" || break; sleep 0.1; done
+  for pid in "${pids[@]}"; do [[ -d /proc/$pid ]] && kill -KILL "$pid" 2>/dev/null || true; done
+}
+
+any_alive() {
+  local pid
+  for pid in "$@"; do [[ -d /proc/$pid ]] && return 0; done
+  return 1
 }
 
 stop() {
@@ -189,9 +295,12 @@ stop() {
         sleep 0.2
       done
     fi
-    for name in slurmd-n1 slurmd-n2 slurmctld munged; do
-      [[ -f $STATE/pids/$name ]] && stop_pid "$STATE/pids/$name"
-    done
+    # The nodes, then slurmctld, then slurmdbd, which takes slurmctld's last records, then the database
+    # (and munged, which no one needs any more).
+    stop_pids "${NODES[@]/#/$STATE/pids/slurmd-}"
+    stop_pids "$STATE/pids/slurmctld"
+    stop_pids "$STATE/pids/slurmdbd"
+    stop_pids "$STATE/pids/mariadbd" "$STATE/pids/munged"
   fi
   mkdir -p "$STATE"
   remove_network
