@@ -5,6 +5,7 @@
 # Several machines: run the same command on every one of them, with the first one's address
 # (rendezvous through torchrun's c10d backend; the checkpoint path must be on shared storage):
 #   NNODES=2 RDZV_ENDPOINT=node1:29400 bash 04_ddp_torchrun/run.sh --checkpoint /shared/ckpt.pt
+# Under Slurm, sbatch 04_ddp_torchrun/submit.sh does this: srun starts one torchrun on every node of the job.
 # Environment: NPROC_PER_NODE (default: GPUs, or 2), MAX_RESTARTS (default 0: fail at once),
 # RDZV_ID (a name the nodes of one run share), PYTHON (default: python on PATH).
 set -euo pipefail

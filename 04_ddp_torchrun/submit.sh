@@ -1,0 +1,86 @@
+#!/bin/bash
+# Step 04 under Slurm: srun starts one torchrun per node, and each torchrun one process per GPU of its
+# node. Submit from the repository root; flags after the script go to train.py:
+#   sbatch 04_ddp_torchrun/submit.sh --epochs 3
+# For your cluster change the #SBATCH lines below (nodes, GPUs per node, cores, time; add
+# --partition/--account if your site needs them) and the environment line. Options on the sbatch
+# command line override these lines, e.g. a CPU-only run on two nodes, two processes on each:
+#   sbatch --gpus-per-node=0 --cpus-per-task=2 04_ddp_torchrun/submit.sh --dataset synthetic
+# Environment: NPROC_PER_NODE (default: the node's GPUs, or 2), MAX_RESTARTS (default 3), RDZV_PORT
+# (default: see below), PYTHON (default: python on PATH), TRAIN_PY.
+#SBATCH --job-name=ddp-torchrun     # shown by squeue; the %x in the log name
+#SBATCH --nodes=2                   # machines
+#SBATCH --ntasks-per-node=1         # one task per machine: torchrun, which starts the processes (05: one per GPU)
+#SBATCH --gpus-per-node=4           # GPUs per machine: torchrun starts one process for each
+#SBATCH --cpus-per-task=32          # cores per machine, shared by its processes' threads and data-loader workers
+#SBATCH --time=01:00:00             # wall-clock limit; no --signal: this train.py has no handler (see below)
+#SBATCH --requeue                   # a preempted (or `scontrol requeue`d) job goes back to the queue
+#SBATCH --open-mode=append          # a requeued job appends to its log instead of overwriting it
+#SBATCH --output=%x-%j.out          # one log per job (stdout and stderr): job name and job id
+set -euo pipefail
+
+# Environment: activate yours here if the job does not inherit it (module load ..., source .venv/bin/activate).
+PYTHON=${PYTHON:-python}
+TRAIN_PY=${TRAIN_PY:-04_ddp_torchrun/train.py}  # relative to the folder sbatch was called from
+
+# torchrun starts the processes, so Slurm must start exactly one torchrun per node.
+if [[ ${SLURM_NTASKS:-$SLURM_NNODES} != "$SLURM_NNODES" ]]; then
+  echo "error: $SLURM_NTASKS tasks on $SLURM_NNODES nodes: this script wants one task per node" \
+    "(--ntasks-per-node=1); torchrun starts one process per GPU (05_ddp_slurm/submit.sh wants a task per GPU)" >&2
+  exit 1
+fi
+# One process per GPU the job has on a node (SLURM_GPUS_ON_NODE), 2 on nodes without GPUs.
+NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
+((NPROC_PER_NODE > 0)) || NPROC_PER_NODE=2
+# The task's cores are shared by its processes: that many threads each, and the data-loader workers take
+# the cores left beside each process's main one.
+CPUS=${SLURM_CPUS_PER_TASK:-1}
+CORES=$((CPUS / NPROC_PER_NODE > 0 ? CPUS / NPROC_PER_NODE : 1))
+export OMP_NUM_THREADS=$CORES
+WORKERS=$((CORES - 1))
+
+# c10d rendezvous: the torchrun on the job's first node hosts it, the others connect, and it gives out
+# the node ranks, so every node runs the same command line and nothing is expanded per node.
+RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# The port must be one that no other job on that node holds, and no formula of the job id alone can promise
+# that, as there are more ids than ports. So start at 20000 + id mod 12000 and take the first port that no
+# process holds now on the first node, where sbatch runs this script. Linux picks the ports of outgoing
+# connections from 32768 up by default, so none takes it before torchrun binds it; two jobs that start
+# there in the same second still could. Export RDZV_PORT to choose one.
+RDZV_PORT=${RDZV_PORT:-$("$PYTHON" -c '
+import os, socket
+job = int(os.environ["SLURM_JOB_ID"])
+for port in (20000 + (job + i) % 12000 for i in range(12000)):
+    with socket.socket() as probe:
+        # As the store does: a port that an earlier job left in TIME_WAIT (a requeue) is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:  # held by another process (torchrun listens on every address, IPv4 and IPv6)
+            continue
+    print(port)
+    break
+')}
+# After a restart, workers that share torchrun's own rendezvous store can read the previous round's
+# addresses and fail or hang (pytorch/pytorch#135712); a store of their own each round avoids that.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+
+echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $NPROC_PER_NODE processes" \
+  "per node, rendezvous $RDZV_HOST:$RDZV_PORT"
+# Preemption, `scontrol requeue` and the time limit: Slurm sends SIGTERM to every process of the job, and
+# SIGKILL after KillWait. torchrun's agent passes SIGTERM on to its workers, SIGKILLs those still running
+# after --shutdown-timeout (30 s) and exits without a restart; SIGUSR2 it does not catch, and dies of it at
+# once, leaving its workers alone. This train.py has no handler, so it stops where it is. A requeued job
+# (a site that requeues preempted jobs, `scontrol requeue`) starts again under the same id, so with the
+# same checkpoint, and resumes after the last epoch that ended. A job that reaches its time limit just
+# ends: submit again, passing its checkpoint as --checkpoint. 05_ddp_slurm/submit.sh saves in the middle
+# of an epoch and requeues itself before the limit.
+# srun -c: since Slurm 22.05 srun no longer takes --cpus-per-task from sbatch. --kill-on-bad-exit: when
+# one torchrun fails (its restarts used up), srun ends the others instead of leaving them waiting.
+# --max-restarts: when a process fails, torchrun restarts them all on every node; they resume from
+# --checkpoint, fixed per job. Pass --checkpoint to choose it.
+srun --kill-on-bad-exit=1 --cpus-per-task="$CPUS" \
+  "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+  --rdzv-backend=c10d --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
+  --max-restarts="${MAX_RESTARTS:-3}" "$TRAIN_PY" --workers "$WORKERS" \
+  --checkpoint "checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID.pt" "$@"

@@ -1,0 +1,223 @@
+"""Step 04 on the two-node Slurm cluster of tests/slurm_cluster.sh: the unchanged 04_ddp_torchrun/submit.sh
+through sbatch, one torchrun per node and two processes under each; a worker killed mid-run, a job
+requeued mid-run, and two jobs at once whose ports would collide by their job ids."""
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import GLOBAL_BATCH, REPO, SYNTHETIC, TOLERANCE, Result, child_env, max_abs_diff, weights
+from test_slurm import job_id_of, job_state, read, slurm, squeue, wait_for  # noqa: F401 (slurm: a fixture)
+
+pytestmark = pytest.mark.slurm
+NODES, NPROC = 2, 2  # what submit.sh gives a CPU node: two processes
+TRAIN_ARGS = [*SYNTHETIC, "--batch-size", str(GLOBAL_BATCH // (NODES * NPROC))]
+RENDEZVOUS = re.compile(r"^job (\d+) restart (\d+): .* rendezvous (\S+):(\d+)$", re.M)
+ATTEMPTS = 3  # a job whose epoch 2 ended before the test could interrupt it is submitted again
+
+
+class Job:
+    """sbatch --wait 04_ddp_torchrun/submit.sh with CPU overrides on the command line only."""
+
+    def __init__(self, folder, train_args, cpus=2, env=None, sbatch_args=()):
+        folder.mkdir(parents=True, exist_ok=True)  # Slurm does not create the folder of --output
+        cmd = ["sbatch", "--parsable", "--wait", "--gpus-per-node=0", f"--cpus-per-task={cpus}", "--time=10",
+               f"--output={folder}/%x-%j.out", *sbatch_args, "04_ddp_torchrun/submit.sh", *train_args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.id = job_id_of(self.proc)
+        self.log_path = folder / f"ddp-torchrun-{self.id}.out"
+
+    def log(self):
+        return read(self.log_path)
+
+    def details(self):
+        return f"--- job log\n{self.log()}\n--- scontrol\n{job_state(self.id)}"
+
+    def wait_log(self, pattern, timeout, what):
+        """Waits until the job log matches pattern (a string or a regex); returns the match."""
+        find = pattern.search if hasattr(pattern, "search") else lambda text: pattern in text
+        return wait_for(lambda: find(self.log()), timeout, what, self.details)
+
+    def finish(self, timeout):
+        """sbatch --wait's exit status; a job still running after timeout is cancelled and the test fails."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            subprocess.run(["scancel", str(self.id)])
+            self.proc.kill()
+            pytest.fail(f"job {self.id} still running after {timeout} s\n{self.details()}")
+        return self.proc.returncode
+
+
+def rounds(log):
+    """The launch lines in groups of one rendezvous round (NODES x NPROC lines), in order."""
+    launches = Result(0, log, "", 0).launches()  # (rank, world, local rank, host, pid, device, backend, addr, port)
+    return [launches[i:i + NODES * NPROC] for i in range(0, len(launches), NODES * NPROC)]
+
+
+def check_round(launches, log):
+    """Ranks 0-3 once each, two per node with local ranks 0 and 1, one master address for all."""
+    assert sorted(int(launch[0]) for launch in launches) == list(range(NODES * NPROC)), log
+    assert {int(launch[1]) for launch in launches} == {NODES * NPROC}, log
+    for host in ("n1", "n2"):
+        assert sorted(int(launch[2]) for launch in launches if launch[3] == host) == [0, 1], log
+    assert len({(launch[7], launch[8]) for launch in launches}) == 1, log
+
+
+def epoch_lines(log):
+    return [int(e["epoch"]) for e in Result(0, log, "", 0).epochs()]
+
+
+def check_weights(checkpoint, uninterrupted, reference, what):
+    """Within TOLERANCE of the uninterrupted run and of 01. Not bit for bit: with four ranks a resumed run ends
+    about 1e-7 away from an uninterrupted one (with two, where a + b = b + a, they are equal). Probably the
+    order of the allreduce's additions, which with four ranks follows a gradient's place in DDP's bucket, and
+    DDP orders the bucket anew after a new process's first step."""
+    resumed = weights(checkpoint)
+    diffs = max_abs_diff(resumed, weights(uninterrupted)), max_abs_diff(resumed, weights(reference))
+    print(f"{what}: max abs diff {diffs[0]:.2e} to the uninterrupted run, {diffs[1]:.2e} to 01")
+    assert max(diffs) <= TOLERANCE
+
+
+@pytest.fixture(scope="session")
+def torchrun_run(slurm, tmp_path_factory):
+    """2 nodes x 2 processes, two epochs without interruption: the reference of the other tests here."""
+    folder = tmp_path_factory.mktemp("torchrun_2x2")
+    start = time.monotonic()
+    job = Job(folder, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"])
+    code = job.finish(180)
+    return dict(code=code, job=job, log=job.log(), checkpoint=folder / "ckpt.pt", seconds=time.monotonic() - start)
+
+
+def test_submit_sh_one_torchrun_per_node(torchrun_run, reference):
+    """Four ranks over n1 and n2 from one c10d rendezvous on the first node; the weights of 01 at the same
+    global batch."""
+    run = torchrun_run
+    log = run["log"]
+    assert run["code"] == 0, run["job"].details()
+    (launches,) = rounds(log)  # one round: no restart
+    check_round(launches, log)
+    job_id, restart, host, port = RENDEZVOUS.search(log).groups()
+    assert (int(job_id), restart, host) == (run["job"].id, "0", "n1"), log
+    assert 20000 <= int(port) < 32000, log
+    assert launches[0][7] == "n1", log  # node rank 0, and so the workers' master, is on n1
+    assert epoch_lines(log) == [1, 2], log
+    diff = max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2))
+    print(f"04 submit.sh on 2 nodes x 2 processes: {run['seconds']:.1f} s, max abs diff to 01: {diff:.2e}")
+    assert diff <= TOLERANCE
+
+
+def test_more_than_one_task_per_node_is_refused(slurm, tmp_path):
+    """--ntasks-per-node=2, as 05 wants it, would start two torchruns per node: the job says why in one line
+    and starts nothing."""
+    job = Job(tmp_path, TRAIN_ARGS, cpus=1, sbatch_args=["--ntasks-per-node=2"])
+    assert job.finish(60) != 0, job.details()
+    log = job.log()
+    assert log.startswith("error: 4 tasks on 2 nodes: ") and log.count("\n") == 1, log
+
+
+def interrupt_in_epoch_2(folder, interrupt):
+    """Submits 2-epoch jobs until interrupt(job) runs while epoch 2 is under way (epoch 1's line is out,
+    epoch 2's is not); returns that job and the attempt."""
+    for attempt in range(ATTEMPTS):
+        job = Job(folder / f"attempt{attempt}", [*TRAIN_ARGS, "--epochs", "2",
+                                                 "--checkpoint", f"{folder}/attempt{attempt}/ckpt.pt"])
+        job.wait_log("epoch 1/2 |", 120, "epoch 1")
+        before = job.log()
+        if "epoch 2/2 |" not in before:
+            interrupt(job, before)
+            return job, attempt
+        assert job.finish(120) == 0, job.details()  # too late: this one simply ended
+    pytest.fail(f"in {ATTEMPTS} jobs epoch 2 always ended before the test could interrupt it")
+
+
+def test_killed_worker_restarts_the_round_on_both_nodes(slurm, torchrun_run, reference, tmp_path):
+    """SIGKILL to one worker on n2 in epoch 2: torchrun restarts the workers of both nodes in a new round,
+    which resumes after epoch 1 and ends with the weights of the uninterrupted run."""
+    killed = {}
+
+    def kill_rank_3(job, log):
+        (launches,) = rounds(log)
+        rank3 = next(launch for launch in launches if launch[0] == "3")
+        killed.update(host=rank3[3], pid=int(rank3[4]))
+        os.kill(killed["pid"], signal.SIGKILL)  # pids are global on this machine, namespaces or not
+
+    start = time.monotonic()
+    job, attempt = interrupt_in_epoch_2(tmp_path, kill_rank_3)
+    assert job.finish(180) == 0, job.details()
+    log = job.log()
+    print(f"04 worker killed and restarted: {time.monotonic() - start:.1f} s (attempt {attempt + 1})")
+    assert killed["host"] == "n2", log
+    first, second = rounds(log)  # exactly two rounds: the first one and its restart
+    check_round(first, log)
+    check_round(second, log)
+    # Every worker is new in the second round, those on n1 too, whose processes had not failed.
+    assert not {launch[4] for launch in first} & {launch[4] for launch in second}, log
+    assert "restart 1:" not in log, log  # torchrun restarted, not Slurm
+    assert log.count("resumed from") == 1 and f"resumed from {job.log_path.parent}/ckpt.pt after epoch 1" in log, log
+    assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
+    check_weights(job.log_path.parent / "ckpt.pt", torchrun_run["checkpoint"], reference.epoch2, "restarted")
+
+
+def test_requeued_job_resumes_from_the_last_epoch(slurm, torchrun_run, reference, tmp_path):
+    """`scontrol requeue` in epoch 2 (what a site that preempts by requeueing does): Slurm sends SIGTERM, each
+    torchrun passes it on and exits without restarting, and the job, requeued under the same id, resumes
+    after epoch 1, so epoch 2 is done again from its start, and ends with the uninterrupted run's weights."""
+    requeued = {}
+
+    def requeue(job, _):
+        # Incomplete: only while the job runs; a job that has just ended is not run again.
+        subprocess.run(["scontrol", "requeue", "Incomplete", str(job.id)], check=True)
+        requeued["at"] = time.monotonic()
+
+    job, attempt = interrupt_in_epoch_2(tmp_path, requeue)
+    job.wait_log("resumed from", 120, "the requeued job to resume")
+    requeue_to_resume = time.monotonic() - requeued["at"]
+    assert job.finish(120) == 0, job.details()
+    log = job.log()
+    print(f"04 requeue to resume: {requeue_to_resume:.1f} s (attempt {attempt + 1})")
+    before, after = re.split(r"^job \d+ restart 1: .*$", log, flags=re.M)  # the requeued job's first line
+    # Before: one round, stopped by SIGTERM in each torchrun (no restart of its own) before epoch 2 ended.
+    (first,) = rounds(before)
+    check_round(first, log)
+    assert before.count("death signal, shutting down workers") == NODES, log
+    assert epoch_lines(before) == [1], log
+    # After: the same job id, one new round that resumes after epoch 1 and does epoch 2.
+    (second,) = rounds(after)
+    check_round(second, log)
+    assert f"resumed from {job.log_path.parent}/ckpt.pt after epoch 1" in after, log
+    assert epoch_lines(after) == [2], log
+    check_weights(job.log_path.parent / "ckpt.pt", torchrun_run["checkpoint"], reference.epoch2, "requeued")
+
+
+def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
+    """Job b would start at the port that job a holds (as jobs 12000 ids apart would): b takes the next free
+    one. Both run at once on both nodes (1 CPU per node each) and both end with the right weights."""
+    start = time.monotonic()
+    b = Job(tmp_path / "b", [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/b.pt"], cpus=1,
+            sbatch_args=["--hold"])  # held until a's rendezvous is up
+    port, next_port = (20000 + (b.id + i) % 12000 for i in (0, 1))  # where submit.sh starts looking for b
+    try:
+        a = Job(tmp_path / "a", [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/a.pt"], cpus=1,
+                env={"RDZV_PORT": str(port)})
+        a.wait_log(re.compile(r"^rank 3/4 ", re.M), 120, "job a's rendezvous")  # its store holds the port
+    except BaseException:
+        subprocess.run(["scancel", str(b.id)])
+        raise
+    subprocess.run(["scontrol", "release", str(b.id)], check=True)
+    wait_for(lambda: squeue(a.id) == squeue(b.id) == "RUNNING", 60, "both jobs running together",
+             lambda: a.details() + b.details())
+    codes = [a.finish(180), b.finish(180)]
+    logs = {"a": a.log(), "b": b.log()}
+    assert codes == [0, 0], logs
+    ports = {name: int(RENDEZVOUS.search(log).group(4)) for name, log in logs.items()}
+    assert ports == {"a": port, "b": next_port}, logs
+    for name, log in logs.items():
+        (launches,) = rounds(log)
+        check_round(launches, log)
+        assert max_abs_diff(weights(f"{tmp_path}/{name}.pt"), weights(reference.epoch2)) <= TOLERANCE
+    print(f"04 two jobs at once: {time.monotonic() - start:.1f} s, ports {ports}")
