@@ -118,12 +118,13 @@ def save_checkpoint(path, model, optimizer, epoch):
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
 
 
-def load_checkpoint(path, model, optimizer, device):
-    """Restore model and optimizer from path; returns the number of epochs already done."""
-    state = torch.load(path, map_location=device)  # onto this process's device, not the saver's
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return state["epoch"]
+def load_checkpoint(path, model, optimizer):
+    """Restore model and optimizer from path if it exists; returns the checkpoint, or None."""
+    state = torch.load(path, map_location="cpu") if os.path.exists(path) else None
+    if state is not None:
+        model.load_state_dict(state["model"])  # onto this process's device, whatever the saver's was
+        optimizer.load_state_dict(state["optimizer"])
+    return state
 
 
 def train(args, device):
@@ -142,9 +143,9 @@ def train(args, device):
     # DataParallel: replicate over all visible GPUs; `model` stays for evaluation and checkpoints.
     dp_model = nn.DataParallel(model) if device.type == "cuda" else model
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    start_epoch = 0
-    if args.checkpoint and os.path.exists(args.checkpoint):
-        start_epoch = load_checkpoint(args.checkpoint, model, optimizer, device)
+    checkpoint = load_checkpoint(args.checkpoint, model, optimizer) if args.checkpoint else None
+    start_epoch = checkpoint["epoch"] if checkpoint else 0
+    if checkpoint:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
 
     for epoch in range(start_epoch, args.epochs):

@@ -127,24 +127,35 @@ def save_checkpoint(path, model, optimizer, epoch):
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
 
 
-def load_checkpoint(path, model, optimizer, device):
-    """Restore model and optimizer from path; returns the number of epochs already done."""
-    state = torch.load(path, map_location=device)  # onto this process's device, not the saver's
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return state["epoch"]
+def load_checkpoint(path, model, optimizer):
+    """Restore model and optimizer from path if it exists; returns the checkpoint, or None. DDP: rank 0 alone
+    looks for path and reads it, and every rank loads what it read: all resume from one state, even where a
+    node's view of shared storage lags behind."""
+    state = [torch.load(path, map_location="cpu") if dist.get_rank() == 0 and os.path.exists(path) else None]
+    dist.broadcast_object_list(state)  # DDP: rank 0's object, pickled, to every rank (via the GPU under NCCL)
+    state = state[0]
+    if state is not None:
+        model.load_state_dict(state["model"])  # onto this process's device, whatever the saver's was
+        optimizer.load_state_dict(state["optimizer"])
+    return state
 
 
-def setup(rank, local_rank, world_size):
-    """DDP: pick this process's device and join the process group; returns the device."""
+def setup(rank, local_rank, world_size, store=None):
+    """DDP: pick this process's device and join the process group (through store, or the MASTER_ADDR and
+    MASTER_PORT of the environment); returns the device."""
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            sys.exit(f"error: local rank {local_rank} but {torch.cuda.device_count()} GPUs: start one process per GPU")
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        # DDP: one process per GPU. The task sees all of its node's GPUs (take the local rank's) or, where the
+        # site binds one GPU per task (--gpus-per-task, --gpu-bind, a container), only its own, as cuda:0.
+        visible = torch.cuda.device_count()
+        if local_rank >= visible and visible != 1:
+            sys.exit(f"error: local rank {local_rank} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each task all of its node's GPUs "
+                     "or exactly one, and start one process per GPU")
+        device, backend = torch.device("cuda", local_rank if local_rank < visible else 0), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             device_id=device if device.type == "cuda" else None)
     facts = (f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} pid {os.getpid()} "
              f"device {device} backend {backend} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
@@ -168,14 +179,13 @@ def train(args, rank, world_size, device):
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    checkpoint = load_checkpoint(args.checkpoint, model, optimizer) if args.checkpoint else None
+    start_epoch = checkpoint["epoch"] if checkpoint else 0
+    if checkpoint and is_main:
+        print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    start_epoch = 0
-    if args.checkpoint and os.path.exists(args.checkpoint):
-        start_epoch = load_checkpoint(args.checkpoint, model, optimizer, device)
-        if is_main:
-            print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
@@ -194,7 +204,8 @@ def train(args, rank, world_size, device):
 
 def run(rank, args):
     """One training process; mp.spawn passes its index, which is its rank."""
-    device = setup(rank, rank, args.world_size)  # one machine: the local rank is the global rank
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    device = setup(rank, rank, args.world_size, store)  # one machine: the local rank is the global rank
     try:
         train(args, rank, args.world_size, device)
     finally:
@@ -203,11 +214,11 @@ def run(rank, args):
 
 def main():
     args = parse_args()
-    # DDP: the processes meet here; a port the OS reports free, not a fixed one that may be in use.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    # DDP: the processes meet at a store that this process serves for the whole run, on a port the OS picks
+    # (not a fixed one that may be in use, nor one found free and closed, which another program can take
+    # before a rank binds it); every rank connects to it as a client.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
     try:
         mp.spawn(run, args=(args,), nprocs=args.world_size)  # returns when all have finished
     except mp.ProcessExitedException as error:  # a rank exited (its error is printed above) or was killed

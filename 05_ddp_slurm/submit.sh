@@ -8,7 +8,7 @@
 #SBATCH --job-name=ddp-slurm        # shown by squeue; the %x in the log name
 #SBATCH --nodes=2                   # machines
 #SBATCH --ntasks-per-node=4         # processes per machine: one per GPU, so equal to --gpus-per-node
-#SBATCH --gpus-per-node=4           # GPUs per machine; every task sees all of them (not --gpus-per-task)
+#SBATCH --gpus-per-node=4           # GPUs per machine; task N of a machine takes its GPU N
 #SBATCH --cpus-per-task=8           # cores per process: its threads and its data-loader workers
 #SBATCH --time=01:00:00             # wall-clock limit
 #SBATCH --signal=USR2@120           # SIGUSR2 to every task 120 s before the limit: checkpoint and requeue
@@ -21,10 +21,26 @@ set -euo pipefail
 PYTHON=${PYTHON:-python}
 TRAIN_PY=${TRAIN_PY:-05_ddp_slurm/train.py}  # relative to the folder sbatch was called from
 
-# Rendezvous on the job's first node. The port follows the job id, so two jobs that share a node do
-# not collide, and stays below the ephemeral range (32768 and up); export MASTER_PORT to choose one.
+# Rendezvous on the job's first node, where sbatch runs this script. The port must be one that no other
+# job there holds, and no formula of the job id alone can promise that, as there are more ids than ports.
+# So start at 20000 + id mod 12000 and take the first port that no process here holds now. Linux picks the
+# ports of outgoing connections from 32768 up by default, so none takes it before rank 0 binds it; two
+# jobs that start here in the same second still could. Export MASTER_PORT to choose one.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}
+MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c '
+import os, socket
+job = int(os.environ["SLURM_JOB_ID"])
+for port in (20000 + (job + i) % 12000 for i in range(12000)):
+    with socket.socket() as probe:
+        # As the store does: a port that an earlier job left in TIME_WAIT (a requeue) is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:  # held by another process
+            continue
+    print(port)
+    break
+')}
 export MASTER_ADDR MASTER_PORT
 # One thread per core the task owns; the data-loader workers take the cores left beside the main one.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}

@@ -85,26 +85,51 @@ class Net(nn.Module):
         return self.fc2(F.silu(self.fc1(x.flatten(1))))
 
 
-STOP = {"requested": False}  # SLURM: set by the SIGUSR2 handler, read between steps
+class ResumableSampler(DistributedSampler):
+    """SLURM: a DistributedSampler that skips the first `start` indices of this rank's share of the epoch, so
+    that a job resumed inside an epoch does not load the batches it trained before it was stopped."""
+    start = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+    def __len__(self):
+        return max(0, super().__len__() - self.start)
 
 
-def stop_requested(device):
-    """SLURM: True on every rank once any rank has the signal, so that all stop at the same step."""
-    flag = torch.tensor(float(STOP["requested"]), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() > 0
+STOP = {"requested": False}  # SLURM: set by the SIGUSR2 handler
+STOP_CHECK_SECONDS = 10  # SLURM: the ranks agree on stopping about this often; the warning comes 120 s ahead
+
+
+def signalled():
+    """SLURM: whether this process has had SIGUSR2: through the handler, or pending where it is blocked."""
+    return STOP["requested"] or signal.SIGUSR2 in signal.sigpending()
+
+
+def stop_requested(device, since):
+    """SLURM: a collective; returns (True on every rank once any rank has had the signal, the slowest rank's
+    seconds since `since`), so that all ranks stop at the same step and plan the next check alike."""
+    state = torch.tensor([float(signalled()), time.monotonic() - since], device=device)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX)
+    stop, seconds = state.tolist()
+    return stop > 0, seconds
 
 
 def train_one_epoch(model, loader, optimizer, device, start_step=0):
-    """One pass over loader from batch start_step; returns (mean training loss, number of samples,
-    None), or (None, None, step) when asked to stop before that step."""
+    """One pass over loader, whose sampler starts at batch start_step; returns ([sum of losses, samples] over
+    all ranks, None), or the same until the stop and the step at which all ranks stopped on SIGUSR2."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
-    for step, (images, labels) in enumerate(loader):
-        if step < start_step:  # SLURM: trained before the requeue (same seed and epoch, same batches)
-            continue
-        if step % 10 == 0 and stop_requested(device):  # SLURM: every 10 steps, as each check waits for the GPU
-            return None, None, step
+    check_at, every, last_check, stopped_at = start_step, 1, time.monotonic(), None
+    for step, (images, labels) in enumerate(loader, start_step):
+        if step == check_at:  # SLURM: each check waits for the GPU, so as many steps apart as take STOP_CHECK_SECONDS
+            stop, seconds = stop_requested(device, last_check)
+            if stop:
+                stopped_at = step
+                break
+            step_seconds = seconds / every  # on the slowest rank: the same number on every rank
+            every = max(1, min(2 * every, int(STOP_CHECK_SECONDS / max(step_seconds, 1e-6))))
+            check_at, last_check = step + every, time.monotonic()
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(images), labels)
@@ -113,50 +138,65 @@ def train_one_epoch(model, loader, optimizer, device, start_step=0):
         totals[0] += loss.detach() * len(labels)  # stays on the device: no GPU sync per step
         totals[1] += len(labels)
     dist.all_reduce(totals)  # DDP: sum over ranks, so rank 0 reports the global mean loss
-    return (totals[0] / totals[1]).item(), int(totals[1]), None
+    return totals.tolist(), stopped_at
 
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Returns [correct, total] over loader."""
+    """Returns [correct, total] over loader, or None on every rank when a rank had SIGUSR2 before the end."""
     model.eval()
-    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    counts = torch.zeros(3, dtype=torch.int64, device=device)  # [correct, total, ranks that stopped early]
     for images, labels in loader:
+        if signalled():  # SLURM: no collective here, as ranks may have one batch more than others
+            counts[2] = 1
+            break
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         counts[0] += (model(images).argmax(dim=1) == labels).sum()
         counts[1] += len(labels)
     dist.all_reduce(counts)  # DDP: add up the ranks' disjoint shards
-    return counts.tolist()
+    return None if counts[2] else counts[:2].tolist()
 
 
-def save_checkpoint(path, model, optimizer, epoch, step=0):
-    """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact."""
+def save_checkpoint(path, model, optimizer, epoch, **position):
+    """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact. SLURM:
+    position says where in the next epoch training stopped, what that depends on, and the loss until then."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step}, f)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, **position}, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
 
 
-def load_checkpoint(path, model, optimizer, device):
-    """Restore model and optimizer from path; returns (epochs done, steps done in the next epoch)."""
-    state = torch.load(path, map_location=device)  # onto this process's device, not the saver's
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    return state["epoch"], state["step"]
+def load_checkpoint(path, model, optimizer):
+    """Restore model and optimizer from path if it exists; returns the checkpoint, or None. DDP: rank 0 alone
+    looks for path and reads it, and every rank loads what it read: all resume from one state, even where a
+    node's view of shared storage lags behind."""
+    state = [torch.load(path, map_location="cpu") if dist.get_rank() == 0 and os.path.exists(path) else None]
+    dist.broadcast_object_list(state)  # DDP: rank 0's object, pickled, to every rank (via the GPU under NCCL)
+    state = state[0]
+    if state is not None:
+        model.load_state_dict(state["model"])  # onto this process's device, whatever the saver's was
+        optimizer.load_state_dict(state["optimizer"])
+    return state
 
 
-def setup(rank, local_rank, world_size):
-    """DDP: pick this process's device and join the process group; returns the device."""
+def setup(rank, local_rank, world_size, store=None):
+    """DDP: pick this process's device and join the process group (through store, or the MASTER_ADDR and
+    MASTER_PORT of the environment); returns the device."""
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            sys.exit(f"error: local rank {local_rank} but {torch.cuda.device_count()} GPUs: start one process per GPU")
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        # DDP: one process per GPU. The task sees all of its node's GPUs (take the local rank's) or, where the
+        # site binds one GPU per task (--gpus-per-task, --gpu-bind, a container), only its own, as cuda:0.
+        visible = torch.cuda.device_count()
+        if local_rank >= visible and visible != 1:
+            sys.exit(f"error: local rank {local_rank} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each task all of its node's GPUs "
+                     "or exactly one, and start one process per GPU")
+        device, backend = torch.device("cuda", local_rank if local_rank < visible else 0), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             device_id=device if device.type == "cuda" else None)
     facts = (f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} pid {os.getpid()} "
              f"device {device} backend {backend} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
@@ -172,7 +212,7 @@ def train(args, rank, world_size, device):
     train_set, test_set = load_datasets(args)
     # DDP: each rank takes every world_size-th index of the epoch's order, which depends only on --seed
     # and the epoch (set below); a few repeats pad it so that all ranks take the same number of steps.
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
+    sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
     # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.
@@ -180,28 +220,40 @@ def train(args, rank, world_size, device):
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    checkpoint = load_checkpoint(args.checkpoint, model, optimizer) if args.checkpoint else None
+    start_epoch = checkpoint["epoch"] if checkpoint else 0
+    # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then. The step
+    # means the same samples under any layout of the same global batch: the epoch's order is split by rank.
+    start_step, done = 0, [0, 0]
+    if checkpoint and checkpoint.get("step"):
+        start_step, done = checkpoint["step"], checkpoint["totals"]
+        if checkpoint["world_size"] * checkpoint["batch_size"] != world_size * args.batch_size:
+            sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1} with {checkpoint['world_size']} "
+                     f"processes x {checkpoint['batch_size']} samples per step; resume it with that global batch "
+                     f"(now {world_size} x {args.batch_size}) or from an end-of-epoch checkpoint" if is_main else 1)
+    if checkpoint and is_main:
+        print(f"resumed from {args.checkpoint} after epoch {start_epoch} step {start_step}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    start_epoch, start_step = 0, 0
-    if args.checkpoint and os.path.exists(args.checkpoint):
-        start_epoch, start_step = load_checkpoint(args.checkpoint, model, optimizer, device)
-        if is_main:
-            print(f"resumed from {args.checkpoint} after epoch {start_epoch} step {start_step}", flush=True)
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
+        sampler.start = start_step * args.batch_size  # SLURM: this rank's samples of the steps trained already
         start = time.perf_counter()
-        loss, samples, stopped_at = train_one_epoch(ddp_model, train_loader, optimizer, device, start_step)
-        if stopped_at is not None:  # SLURM: save where all ranks stopped, then requeue the job
+        (loss_sum, samples), stopped_at = train_one_epoch(ddp_model, train_loader, optimizer, device, start_step)
+        train_time, totals = time.perf_counter() - start, [done[0] + loss_sum, done[1] + samples]
+        counts = evaluate(model, test_loader, device) if stopped_at is None else None
+        if counts is None:  # SLURM: stopped in training or evaluation: save where, then requeue the job
+            stopped_at = start_step + len(train_loader) if stopped_at is None else stopped_at
             if args.checkpoint and is_main:
-                save_checkpoint(args.checkpoint, model, optimizer, epoch, stopped_at)
+                save_checkpoint(args.checkpoint, model, optimizer, epoch, step=stopped_at, world_size=world_size,
+                                batch_size=args.batch_size, totals=totals)
             dist.barrier()
             note = "" if args.checkpoint else " (no --checkpoint: the job will start over)"
             return requeue(is_main, f"epoch {epoch + 1} step {stopped_at}{note}")
-        start_step = 0
-        train_time = time.perf_counter() - start
-        correct, total = evaluate(model, test_loader, device)
+        correct, total = counts
+        loss, start_step, done = totals[0] / totals[1], 0, [0, 0]  # SLURM: later epochs start at step 0
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
         dist.barrier()  # DDP: the others wait until the checkpoint is complete
@@ -219,8 +271,14 @@ def requeue(is_main, position):
 
 
 def main():
-    # SLURM: submit.sh asks for SIGUSR2 before the time limit. Handled first, so that it cannot kill us.
+    # SLURM: submit.sh asks for SIGUSR2 before the time limit, and Slurm sends it to every process of the task,
+    # the data-loader workers too. Workers started by forkserver (Python 3.14's default) or spawn do not inherit
+    # a handler and would die of it. So this thread also blocks it: every thread and process started from here
+    # on inherits the block and keeps the signal pending, where signalled() finds it. Threads started before
+    # (a BLAS pool) do not block it: the handler takes it there. Both come first in main(); only while Python
+    # starts and imports torch, seconds after the job starts and not 120 s before its end, would it kill us.
     signal.signal(signal.SIGUSR2, lambda signum, frame: STOP.update(requested=True))
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
     args = parse_args()
     # SLURM: srun starts the tasks and tells each its place; submit.sh exports MASTER_ADDR and MASTER_PORT.
     if "SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ:

@@ -25,7 +25,6 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
     monkeypatch.undo()
 
     assert open(path, "rb").read() == before
-    restored = module.Net()
-    epoch = module.load_checkpoint(path, restored, torch.optim.SGD(restored.parameters(), lr=0.01), "cpu")
-    assert epoch in (1, (1, 0))  # 05 also returns the step inside the epoch
-    assert torch.equal(restored.fc2.bias, saved_bias) and not torch.equal(model.fc2.bias, saved_bias)
+    state = torch.load(path, map_location="cpu")
+    assert state["epoch"] == 1
+    assert torch.equal(state["model"]["fc2.bias"], saved_bias) and not torch.equal(model.fc2.bias, saved_bias)

@@ -1,6 +1,7 @@
 """Steps 05 and 06 on a real two-node Slurm cluster that tests/slurm_cluster.sh starts on this machine:
 the user's own submit.sh and submitit's Slurm executor, on 1 node x 2 tasks and 2 nodes x 1 task,
-preemption that requeues and resumes, and two jobs at once on the same nodes."""
+preemption that requeues and resumes, Slurm's own time-limit warning, many time-outs in one submitit
+job, two jobs at once on the same nodes, and what accounting (sacct) records of each."""
 import os
 import re
 import subprocess
@@ -75,15 +76,46 @@ def squeue(job_id):
     return states.stdout.strip()
 
 
+def control(*cmd):
+    """Runs a Slurm command (scancel, scontrol) that must succeed."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"{' '.join(cmd)} failed: {done.stdout}{done.stderr}"
+
+
+def sacct_runs(job_id):
+    """The state of each run of a job, oldest first (a requeued job has one per start), from accounting."""
+    done = subprocess.run(["sacct", "--duplicates", "--allocations", "--noheader", "--parsable2", "--format=State",
+                           f"--jobs={job_id}"], capture_output=True, text=True, timeout=30)
+    return done.stdout.splitlines() if done.returncode == 0 else [f"sacct failed: {done.stderr.strip()}"]
+
+
+def accounted_runs(job_id):
+    """sacct_runs once the database has the end of the last run (slurmctld sends it a moment after the end)."""
+    def ended():
+        states = sacct_runs(job_id)
+        return states if states and states[-1] not in ("PENDING", "RUNNING", "REQUEUED") else None
+    return wait_for(ended, 30, f"sacct to record the end of job {job_id}", lambda: "\n".join(sacct_runs(job_id)))
+
+
+STOP_LINE = re.compile(r"^stopped at epoch (\d+) step (\d+) on SIGUSR2", re.M)
+RESUME_LINE = re.compile(r"^resumed from \S+ after epoch (\d+) step (\d+)$", re.M)
+
+
+def stops_and_resumes(log):
+    """Where each run stopped and where the next one resumed, both as (epochs done, step in the next)."""
+    return ([(int(epoch) - 1, int(step)) for epoch, step in STOP_LINE.findall(log)],
+            [(int(epoch), int(step)) for epoch, step in RESUME_LINE.findall(log)])
+
+
 # --- 05: the user's own submit.sh, with only command-line and environment overrides for the CPU ---
 
-def sbatch_05(tmp_path, nodes, tasks, train_args, wait=True):
+def sbatch_05(tmp_path, nodes, tasks, train_args, wait=True, sbatch_args=(), env=None):
     """sbatch 05_ddp_slurm/submit.sh as a user would, overriding what a CPU-only cluster needs."""
     cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks-per-node={tasks}", "--gpus-per-node=0",
            "--cpus-per-task=1", "--time=10", f"--output={tmp_path}/%x-%j.out", *(["--wait"] if wait else []),
-           "05_ddp_slurm/submit.sh", *train_args]
-    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+           *sbatch_args, "05_ddp_slurm/submit.sh", *train_args]
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def job_id_of(proc):
@@ -131,8 +163,9 @@ def test_submit_sh(submit_sh_runs, reference, layout):
     print(f"sbatch --wait 05_ddp_slurm/submit.sh on {layout}: {run['seconds']:.1f} s")
     assert run["code"] == 0, run["log"]
     launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
-    assert int(launches[0][8]) == 20000 + run["job_id"] % 10000  # the port follows the job id
+    assert int(launches[0][8]) == 20000 + run["job_id"] % 12000  # where the search for a free port starts
     assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
+    assert accounted_runs(run["job_id"]) == ["COMPLETED"]  # what the site's accounting keeps of it
 
 
 def test_submit_sh_preemption_requeues_and_resumes(slurm, submit_sh_runs, reference, tmp_path):
@@ -171,20 +204,76 @@ def test_submit_sh_preemption_requeues_and_resumes(slurm, submit_sh_runs, refere
     assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
 
 
+WINDOWS = 2  # time-limit warnings in one job
+
+
+def test_submit_sh_requeues_at_each_time_limit_warning(slurm, submit_sh_runs, reference, tmp_path):
+    """Slurm's own warning before the time limit (submit.sh's --signal=USR2@120), in two runs of one job:
+    each time every rank stops at one step, rank 0 saves and requeues, and the job ends as if never stopped.
+    Slurm looks at time limits only every 30 s and this job trains for about 3 s, so once a run has made
+    progress the test freezes its tasks (SIGSTOP) and brings the limit near: at TimeLimit=2 (minutes) the
+    warning is due at once. Slurm sends SIGCONT just before the warning signal, which thaws the tasks. Once
+    the job is requeued the limit goes back to 10 minutes, so that no warning can reach the next run while
+    Python starts, before the handler is in place (it would kill the task)."""
+    start = time.monotonic()
+    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"])
+    job_id = job_id_of(proc)
+    log_path = tmp_path / f"ddp-slurm-{job_id}.out"
+    details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"
+    try:
+        for window in range(WINDOWS):
+            if window == 0:
+                wait_for(lambda: "epoch 1/2 |" in read(log_path), 120, "epoch 1", details)
+            else:
+                wait_for(lambda: read(log_path).count("resumed from") == window, 120, f"resume {window}", details)
+            control("scancel", "--signal=STOP", str(job_id))  # fails if the job has already ended
+            control("scontrol", "update", f"JobId={job_id}", "TimeLimit=2")
+            wait_for(lambda: len(STOP_LINE.findall(read(log_path))) > window, 120, f"Slurm's warning {window + 1}",
+                     details)
+            wait_for(lambda: squeue(job_id) in ("PENDING", "REQUEUED"), 60, f"requeue {window + 1}", details)
+            control("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
+        assert finish(proc, 180) == 0, details()
+    except BaseException:
+        subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=30)  # no frozen job left behind
+        raise
+    log = read(log_path)
+    restarts = [int(n) for n in re.findall(rf"^job {job_id} restart (\d+):", log, re.M)]
+    stops, resumes = stops_and_resumes(log)
+    print(f"05 through {WINDOWS} of Slurm's time-limit warnings: {time.monotonic() - start:.1f} s, restarts "
+          f"{restarts}, stopped at (epochs done, step) {stops}")
+    assert restarts == list(range(WINDOWS + 1)), log  # submit.sh's line, once per run
+    assert len(stops) == WINDOWS and resumes == stops, log  # each run goes on where the one before stopped
+    assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
+    resumed, uninterrupted = weights(f"{tmp_path}/ckpt.pt"), weights(submit_sh_runs["2x1"]["checkpoint"])
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bit for bit, same layout
+    assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
+    assert accounted_runs(job_id) == ["REQUEUED"] * WINDOWS + ["COMPLETED"]
+
+
 def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
-    """Two jobs share both nodes at the same time; each rendezvous gets its own port."""
+    """Two jobs share both nodes at the same time. Job b would start its search at the port that job a
+    holds (as jobs 12000 ids apart would, or, before, 10000 apart): it takes the next free one."""
     for name in "ab":
         (tmp_path / name).mkdir()  # Slurm does not create the folder of --output
-    procs = [sbatch_05(tmp_path / name, 2, 1, [*TRAIN_ARGS, "--epochs", "1",
-                                               "--checkpoint", f"{tmp_path}/{name}.pt"]) for name in ("a", "b")]
-    job_ids = [job_id_of(proc) for proc in procs]
+    args = {name: [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/{name}.pt"] for name in "ab"}
+    held = sbatch_05(tmp_path / "b", 2, 1, args["b"], sbatch_args=["--hold"])
+    b_id = job_id_of(held)
+    port = 20000 + b_id % 12000
+    try:
+        first = sbatch_05(tmp_path / "a", 2, 1, args["a"], env={"MASTER_PORT": str(port)})
+        a_id = job_id_of(first)
+        a_log = f"{tmp_path}/a/ddp-slurm-{a_id}.out"
+        wait_for(lambda: "rank 1/2 " in read(a_log), 120, "job a's rendezvous", lambda: read(a_log))
+    finally:
+        subprocess.run(["scontrol", "release", str(b_id)])
+    procs, job_ids = [first, held], [a_id, b_id]
     wait_for(lambda: all(squeue(job_id) == "RUNNING" for job_id in job_ids), 60, "both jobs running together")
     assert [finish(proc, 120) for proc in procs] == [0, 0]
     logs = [read(f"{tmp_path}/{name}/ddp-slurm-{job_id}.out") for name, job_id in zip("ab", job_ids)]
-    ports = {check_job_log(log, 2, 1, epochs=1)[0][8] for log in logs}
-    assert len(ports) == 2, logs
+    ports = [int(check_job_log(log, 2, 1, epochs=2)[0][8]) for log in logs]
+    assert ports == [port, 20000 + (b_id + 1) % 12000], logs
     for name in "ab":
-        assert max_abs_diff(weights(f"{tmp_path}/{name}.pt"), weights(reference.epoch1)) <= TOLERANCE
+        assert max_abs_diff(weights(f"{tmp_path}/{name}.pt"), weights(reference.epoch2)) <= TOLERANCE
 
 
 # --- 06: submitit's Slurm executor ---
@@ -205,8 +294,9 @@ def submitit_runs(slurm, tmp_path_factory):
         proc = launch_06(folder / "logs", nodes, tasks, [*TRAIN_ARGS, "--epochs", "2",
                                                          "--checkpoint", f"{folder}/ckpt.pt"])
         code = finish(proc, 180)
-        runs[layout] = dict(code=code, out=proc.stdout.read(), log=submitit_logs(folder / "logs"),
-                            checkpoint=folder / "ckpt.pt", seconds=time.monotonic() - start)
+        runs[layout] = dict(code=code, out=proc.stdout.read(), err=proc.stderr.read(),
+                            log=submitit_logs(folder / "logs"), checkpoint=folder / "ckpt.pt",
+                            seconds=time.monotonic() - start)
     return runs
 
 
@@ -218,6 +308,7 @@ def test_submitit_on_slurm(submitit_runs, reference, layout):
     assert re.search(r"^submitted job \d+; logs in \S+", run["out"], re.M), run["out"]
     check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
     assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
+    assert "sacct error" not in run["err"], run["err"]  # submitit's state polling worked: no guessing
 
 
 def test_submitit_preemption_requeues_and_resumes(slurm, submitit_runs, reference, tmp_path):
@@ -254,3 +345,54 @@ def test_submitit_preemption_requeues_and_resumes(slurm, submitit_runs, referenc
     resumed, uninterrupted = weights(f"{folder}/ckpt.pt"), weights(submitit_runs["2x1"]["checkpoint"])
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
     assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
+
+
+TIMEOUTS = 5  # more than submitit's own cap of 3
+
+
+def test_submitit_requeues_after_many_timeouts(slurm, submitit_runs, reference, tmp_path):
+    """submitit counts a signal as a time-out once the job has run min(0.8 x limit, limit - 10 min), so at
+    --timeout-min 10 every one is. With its own cap of 3 the 4th would fail the job; 06's --max-timeouts
+    (default 100) has it requeued every time. One signal per run, once the run has made progress: its
+    handlers are in place once it prints its launch line (first run) or where it resumed."""
+    start = time.monotonic()
+    proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"])
+    deadline = time.monotonic() + 60
+    job_id = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission").group(1)
+    rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
+    details = lambda: (f"--- task logs\n{submitit_logs(tmp_path / 'logs')}\n--- launcher exit\n{proc.poll()}\n"
+                       f"--- scontrol\n{job_state(job_id)}")
+
+    def run_started(run):
+        log = rank0_log()
+        if re.search(r"^rank 0/2 ", log, re.M) if run == 1 else log.count("resumed from") == run - 1:
+            return True
+        given_up = re.search(r"Job not requeued because: .*", log)  # submitit's line before its error
+        if given_up or proc.poll() is not None:
+            pytest.fail(f"no run {run}: {given_up.group(0) if given_up else proc.stderr.read()}\n{details()}")
+        return False
+
+    try:
+        for stop in range(TIMEOUTS):
+            wait_for(lambda: run_started(stop + 1), 120, f"run {stop + 1}", details)
+            control("scancel", "--signal=USR2", job_id)  # fails if the job has already ended
+            wait_for(lambda: len(STOP_LINE.findall(rank0_log())) > stop, 60, f"stop {stop + 1}", details)
+        wait_for(lambda: run_started(TIMEOUTS + 1), 120, f"run {TIMEOUTS + 1}", details)
+        assert finish(proc, 180) == 0, details()
+    except BaseException:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)  # no job left behind
+        raise
+    log, err = rank0_log(), proc.stderr.read()
+    stops, resumes = stops_and_resumes(log)
+    print(f"06 through {TIMEOUTS} time-outs: {time.monotonic() - start:.1f} s, stopped at (epochs done, step) {stops}")
+    assert len(stops) == TIMEOUTS and resumes == stops, log  # each run goes on where the one before stopped
+    # submitit's own lines: each signal a time-out, each followed by a requeue with one fewer left of 100.
+    assert log.count("this job is timed-out") == TIMEOUTS, log
+    left = [int(n) for n in re.findall(r"Requeued job \d+ \((\d+) remaining timeouts\)", log)]
+    assert left == list(range(99, 99 - TIMEOUTS, -1)), log
+    assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
+    resumed, uninterrupted = weights(f"{tmp_path}/ckpt.pt"), weights(submitit_runs["2x1"]["checkpoint"])
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bit for bit, same layout
+    assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
+    assert accounted_runs(job_id) == ["REQUEUED"] * TIMEOUTS + ["COMPLETED"]
+    assert "sacct error" not in err, err
