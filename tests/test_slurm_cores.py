@@ -9,8 +9,6 @@ records, in every Python process of the job, the cores it may run on (its affini
 and makes the data-loader workers start by spawn, so that each worker is a Python process that records
 itself too, with the training process as its parent."""
 import json
-import os
-import time
 
 import pytest
 
