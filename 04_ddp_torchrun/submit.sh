@@ -32,12 +32,13 @@ fi
 # One process per GPU the job has on a node (SLURM_GPUS_ON_NODE), 2 on nodes without GPUs.
 NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
 ((NPROC_PER_NODE > 0)) || NPROC_PER_NODE=2
-# The task's cores are shared by its processes: that many threads each, and the data-loader workers take
-# the cores left beside each process's main one.
+# The task's cores are shared by its processes, and each process's share is split so that nothing runs on
+# top of anything else: half for data-loader workers (one core each), the rest for its threads. 32 cores
+# and 4 processes: 4 workers and 4 threads each. Fewer cores than processes: one thread each, no workers.
 CPUS=${SLURM_CPUS_PER_TASK:-1}
 CORES=$((CPUS / NPROC_PER_NODE > 0 ? CPUS / NPROC_PER_NODE : 1))
-export OMP_NUM_THREADS=$CORES
-WORKERS=$((CORES - 1))
+WORKERS=$((CORES / 2))
+export OMP_NUM_THREADS=$((CORES - WORKERS))
 
 # c10d rendezvous: the torchrun on the job's first node hosts it, the others connect, and it gives out
 # the node ranks, so every node runs the same command line and nothing is expanded per node.

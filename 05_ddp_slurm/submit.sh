@@ -42,13 +42,17 @@ for port in (20000 + (job + i) % 12000 for i in range(12000)):
     break
 ')}
 export MASTER_ADDR MASTER_PORT
-# One thread per core the task owns; the data-loader workers take the cores left beside the main one.
-export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
-WORKERS=$((${SLURM_CPUS_PER_TASK:-1} - 1))
+# The task's cores, split so that nothing runs on top of anything else: half for data-loader workers
+# (one core each), the rest for the main process's threads. 8 cores: 4 workers and 4 threads; 1: no workers.
+CPUS=${SLURM_CPUS_PER_TASK:-1}
+WORKERS=$((CPUS / 2))
+export OMP_NUM_THREADS=$((CPUS - WORKERS))
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks," \
   "master $MASTER_ADDR:$MASTER_PORT"
-# --kill-on-bad-exit: when one task fails, srun ends the others instead of leaving them waiting for it.
-# The checkpoint path is fixed per job, so a requeued job (same id) resumes; pass --checkpoint to choose it.
-srun --kill-on-bad-exit=1 "$PYTHON" -u "$TRAIN_PY" --workers "$WORKERS" \
+# srun -c: since Slurm 22.05 srun no longer takes --cpus-per-task from sbatch, and where tasks are bound to
+# cores each would get one. --kill-on-bad-exit: when one task fails, srun ends the others instead of
+# leaving them waiting for it. The checkpoint path is fixed per job, so a requeued job (same id) resumes;
+# pass --checkpoint to choose it.
+srun --kill-on-bad-exit=1 --cpus-per-task="$CPUS" "$PYTHON" -u "$TRAIN_PY" --workers "$WORKERS" \
   --checkpoint "checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID.pt" "$@"

@@ -33,7 +33,8 @@ def parse_args():
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
-    parser.add_argument("--workers", type=int, default=1, help="data-loader worker processes per process")
+    parser.add_argument("--workers", type=int,
+                        help="data-loader worker processes per process (default: half of --cpus-per-task)")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--local", action="store_true", help="run the tasks as processes on this machine")
     parser.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
@@ -54,6 +55,9 @@ def parse_args():
         parser.error("--max-timeouts must be at least 0")
     if args.local and args.nodes > 1:
         parser.error("--local runs the tasks on this machine: one node")
+    # submitit: the task's cores are split so that nothing runs on top of anything else: half for data-loader
+    # workers (one core each), the rest for the main process's threads (OMP_NUM_THREADS, set in main()).
+    args.workers = args.cpus_per_task // 2 if args.workers is None else args.workers
     if args.epochs < 1 or args.batch_size < 1 or args.workers < 0 or not args.lr > 0:
         parser.error("--epochs and --batch-size must be at least 1, --workers at least 0, --lr above 0")
     # submitit: the launcher often runs on a login node, whose GPUs (none) say nothing of the compute nodes'.
@@ -331,8 +335,11 @@ def main():
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min, slurm_partition=args.partition,
-                               slurm_signal_delay_s=120, slurm_srun_args=["--kill-on-bad-exit=1"],
-                               slurm_setup=[f"export OMP_NUM_THREADS={args.cpus_per_task}"])
+                               slurm_signal_delay_s=120,
+                               # submitit: its srun does not pass --cpus-per-task on, which Slurm 22.05 and
+                               # later no longer do by themselves: where tasks are bound, each gets one core.
+                               slurm_srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={args.cpus_per_task}"],
+                               slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}"])
     job = executor.submit(Trainer(), args)
     print(f"submitted job {job.job_id}; logs in {job.paths.folder} (rank 0: {job.job_id}_0_log.out)", flush=True)
     job.results()  # waits for the job, through requeues, and raises its error if it failed

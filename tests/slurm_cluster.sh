@@ -77,9 +77,10 @@ SlurmctldPidFile=$STATE/slurmctld.pid
 SlurmdPidFile=$STATE/slurmd-%n.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
 SlurmdLogFile=$STATE/log/slurmd-%n.log
-# No cgroups here: track processes through /proc and bind nothing.
+# No cgroups here: track processes through /proc. Bind each task to its cores (sched_setaffinity), as
+# real sites do, so that a task that srun gives fewer cores than the job asked for shows it.
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
 SlurmdParameters=config_overrides
 SelectType=select/cons_tres

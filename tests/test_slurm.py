@@ -18,6 +18,8 @@ from conftest import (REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env,
 pytestmark = pytest.mark.slurm
 CLUSTER = REPO / "tests" / "slurm_cluster.sh"
 LAYOUTS = {"1x2": (1, 2), "2x1": (2, 1)}  # nodes x tasks per node
+NODE_CPUS = 2  # what slurm_cluster.sh gives each node. Tasks are bound to cores, and both nodes share this
+# machine's two, so a job asks for all of a node's cores (split among its tasks): 2 x 1 on one core would halve it.
 TRAIN_ARGS = [*SYNTHETIC, *batch_args("05_ddp_slurm")]
 
 
@@ -109,10 +111,10 @@ def stops_and_resumes(log):
 
 # --- 05: the user's own submit.sh, with only command-line and environment overrides for the CPU ---
 
-def sbatch_05(tmp_path, nodes, tasks, train_args, wait=True, sbatch_args=(), env=None):
+def sbatch_05(tmp_path, nodes, tasks, train_args, wait=True, sbatch_args=(), env=None, cpus=None):
     """sbatch 05_ddp_slurm/submit.sh as a user would, overriding what a CPU-only cluster needs."""
     cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks-per-node={tasks}", "--gpus-per-node=0",
-           "--cpus-per-task=1", "--time=10", f"--output={tmp_path}/%x-%j.out", *(["--wait"] if wait else []),
+           f"--cpus-per-task={cpus or NODE_CPUS // tasks}", "--time=10", f"--output={tmp_path}/%x-%j.out", *(["--wait"] if wait else []),
            *sbatch_args, "05_ddp_slurm/submit.sh", *train_args]
     return subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -256,11 +258,11 @@ def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
     for name in "ab":
         (tmp_path / name).mkdir()  # Slurm does not create the folder of --output
     args = {name: [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/{name}.pt"] for name in "ab"}
-    held = sbatch_05(tmp_path / "b", 2, 1, args["b"], sbatch_args=["--hold"])
+    held = sbatch_05(tmp_path / "b", 2, 1, args["b"], sbatch_args=["--hold"], cpus=1)  # room for both jobs
     b_id = job_id_of(held)
     port = 20000 + b_id % 12000
     try:
-        first = sbatch_05(tmp_path / "a", 2, 1, args["a"], env={"MASTER_PORT": str(port)})
+        first = sbatch_05(tmp_path / "a", 2, 1, args["a"], env={"MASTER_PORT": str(port)}, cpus=1)
         a_id = job_id_of(first)
         a_log = f"{tmp_path}/a/ddp-slurm-{a_id}.out"
         wait_for(lambda: "rank 1/2 " in read(a_log), 120, "job a's rendezvous", lambda: read(a_log))
@@ -280,7 +282,8 @@ def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
 
 def launch_06(log_dir, nodes, tasks, train_args):
     cmd = [sys.executable, "06_ddp_submitit/train.py", "--nodes", str(nodes), "--tasks-per-node", str(tasks),
-           "--gpus-per-node", "0", "--timeout-min", "10", "--log-dir", str(log_dir), *train_args]
+           "--gpus-per-node", "0", "--cpus-per-task", str(NODE_CPUS // tasks), "--timeout-min", "10",
+           "--log-dir", str(log_dir), *train_args]
     return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
