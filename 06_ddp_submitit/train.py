@@ -44,13 +44,15 @@ def parse_args():
                         help="processes per node: one per GPU (default: --gpus-per-node, or 2 without GPUs)")
     parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per process")
     parser.add_argument("--timeout-min", type=int, default=60, help="time limit of the job in minutes")
-    parser.add_argument("--max-timeouts", type=int, default=100,
-                        help="Slurm: times the job is requeued at its time limit before submitit fails it")
+    parser.add_argument("--max-timeouts", type=int,
+                        help="Slurm: times the job is requeued at its time limit before submitit fails it "
+                             "(default: 100 with --checkpoint; without, each requeue starts over: submitit's 3)")
     parser.add_argument("--partition", help="Slurm partition (default: the cluster's default)")
     parser.add_argument("--log-dir", default="submitit_logs", help="every job gets a new log folder in here")
     args = parser.parse_args()
     if min(args.nodes, args.tasks_per_node or 1, args.cpus_per_task, args.timeout_min) < 1 or args.tasks_per_node == 0:
         parser.error("--nodes, --tasks-per-node, --cpus-per-task and --timeout-min must be at least 1")
+    args.max_timeouts = (100 if args.checkpoint else 3) if args.max_timeouts is None else args.max_timeouts
     if args.max_timeouts < 0:
         parser.error("--max-timeouts must be at least 0")
     if args.local and args.nodes > 1:

@@ -143,7 +143,7 @@ EOF
 DB_OPTIONS=(--no-defaults --user=mysql --datadir="$STATE/db/data" --innodb-buffer-pool-size=512M
   --innodb-log-file-size=32M --innodb-lock-wait-timeout=900)
 
-# Initialises a database in $STATE/db, starts MariaDB on it (TCP on 127.0.0.1 only, no name lookups for
+# Initialises a database in $STATE/db, starts MariaDB on it (it runs as mysql, so its log is in there too) (TCP on 127.0.0.1 only, no name lookups for
 # the clients' addresses) and creates the user slurmdbd logs in as, with the password given.
 start_database() {
   local password=$1
@@ -154,8 +154,8 @@ start_database() {
     >"$STATE/log/mariadb-install-db.out" 2>&1 ||
     die "mariadb-install-db failed: $(tail -n 5 "$STATE/log/mariadb-install-db.out")"
   spawn mariadbd mariadbd "${DB_OPTIONS[@]}" --port="$DB_PORT" --bind-address=127.0.0.1 --skip-name-resolve \
-    --socket="$STATE/db/mysqld.sock" --pid-file="$STATE/db/mariadbd.pid" --log-error="$STATE/log/mariadbd.log"
-  wait_until "MariaDB (see $STATE/log/mariadbd.log)" \
+    --socket="$STATE/db/mysqld.sock" --pid-file="$STATE/db/mariadbd.pid" --log-error="$STATE/db/mariadbd.log"
+  wait_until "MariaDB (see $STATE/db/mariadbd.log and $STATE/log/mariadbd.out)" \
     timeout 5 mariadb-admin --no-defaults --socket="$STATE/db/mysqld.sock" --silent ping
   # OS root logs in as the database's root through the socket (unix_socket authentication).
   printf '%s\n' "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$password';" \
