@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,14 @@ def parse_args():
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int, default=1, help="data-loader worker processes per process")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
+    parser.add_argument("--collective-timeout", type=float, default=600,
+                        help="seconds a collective waits for every rank: a rank that stops answering ends the run "
+                             "after this long (rank 0's download and checkpoints may take an hour)")
     args = parser.parse_args()
     if args.epochs < 1 or args.batch_size < 1 or args.workers < 0 or not args.lr > 0:
         parser.error("--epochs and --batch-size must be at least 1, --workers at least 0, --lr above 0")
+    if not args.collective_timeout > 0:
+        parser.error("--collective-timeout must be above 0 seconds")
     return args
 
 
@@ -168,12 +174,12 @@ def save_checkpoint(path, model, optimizer, epoch, **position):
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
 
 
-def load_checkpoint(path, model, optimizer):
+def load_checkpoint(path, model, optimizer, group):
     """Restore model and optimizer from path if it exists; returns the checkpoint, or None. DDP: rank 0 alone
     looks for path and reads it, and every rank loads what it read: all resume from one state, even where a
-    node's view of shared storage lags behind."""
+    node's view of shared storage lags behind. The others wait for rank 0's read in group."""
     state = [torch.load(path, map_location="cpu") if dist.get_rank() == 0 and os.path.exists(path) else None]
-    dist.broadcast_object_list(state)  # DDP: rank 0's object, pickled, to every rank (via the GPU under NCCL)
+    dist.broadcast_object_list(state, group=group)  # DDP: rank 0's object, pickled, to all (via the GPU under NCCL)
     state = state[0]
     if state is not None:
         model.load_state_dict(state["model"])  # onto this process's device, whatever the saver's was
@@ -181,7 +187,7 @@ def load_checkpoint(path, model, optimizer):
     return state
 
 
-def setup(rank, local_rank, world_size, store=None):
+def setup(rank, local_rank, world_size, timeout, store=None):
     """DDP: pick this process's device and join the process group (through store, or the MASTER_ADDR and
     MASTER_PORT of the environment); returns the device."""
     if torch.cuda.is_available():
@@ -196,7 +202,8 @@ def setup(rank, local_rank, world_size, store=None):
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+    # DDP: a collective fails after timeout seconds without every rank, and the launcher then ends the others.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout),
                             device_id=device if device.type == "cuda" else None)
     facts = (f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} pid {os.getpid()} "
              f"device {device} backend {backend} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
@@ -206,9 +213,12 @@ def setup(rank, local_rank, world_size, store=None):
 
 def train(args, rank, world_size, device):
     is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
+    # DDP: while rank 0 alone works (download, reading or writing a checkpoint) the others wait in this group,
+    # whose collectives allow an hour: that work can outlast --collective-timeout.
+    rank0_work = dist.new_group(timeout=timedelta(hours=1))
     if args.dataset == "mnist" and is_main:
         download_mnist(args.data_dir)
-    dist.barrier()  # DDP: the other ranks read MNIST only once rank 0 has it
+    dist.barrier(group=rank0_work)  # DDP: the other ranks read MNIST only once rank 0 has it
     train_set, test_set = load_datasets(args)
     # DDP: each rank takes every world_size-th index of the epoch's order, which depends only on --seed
     # and the epoch (set below); a few repeats pad it so that all ranks take the same number of steps.
@@ -221,7 +231,7 @@ def train(args, rank, world_size, device):
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    checkpoint = load_checkpoint(args.checkpoint, model, optimizer) if args.checkpoint else None
+    checkpoint = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
     start_epoch = checkpoint["epoch"] if checkpoint else 0
     # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then. The step
     # means the same samples under any layout of the same global batch: the epoch's order is split by rank.
@@ -249,14 +259,14 @@ def train(args, rank, world_size, device):
             if args.checkpoint and is_main:
                 save_checkpoint(args.checkpoint, model, optimizer, epoch, step=stopped_at, world_size=world_size,
                                 batch_size=args.batch_size, totals=totals)
-            dist.barrier()
+            dist.barrier(group=rank0_work)
             note = "" if args.checkpoint else " (no --checkpoint: the job will start over)"
             return requeue(is_main, f"epoch {epoch + 1} step {stopped_at}{note}")
         correct, total = counts
         loss, start_step, done = totals[0] / totals[1], 0, [0, 0]  # SLURM: later epochs start at step 0
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
-        dist.barrier()  # DDP: the others wait until the checkpoint is complete
+        dist.barrier(group=rank0_work)  # DDP: the others wait until the checkpoint is complete
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
                    f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")
         if is_main:
@@ -284,7 +294,7 @@ def main():
     if "SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ:
         sys.exit("error: start this script with srun inside a job of submit.sh: sbatch 05_ddp_slurm/submit.sh")
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"))
-    device = setup(rank, local_rank, world_size)
+    device = setup(rank, local_rank, world_size, args.collective_timeout)
     try:
         train(args, rank, world_size, device)
     finally:

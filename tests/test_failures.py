@@ -89,6 +89,60 @@ def test_the_launcher_ends_the_run_when_a_rank_dies(step):
     assert "epoch 50/50" not in result.output
 
 
+TIMEOUT = 5  # --collective-timeout in the tests below; 600 s by default
+
+
+@pytest.mark.parametrize("step", list(LAUNCHERS))
+def test_a_rank_that_stops_answering_ends_the_run_after_the_timeout(step):
+    """Rank 1 is stopped (SIGSTOP) after epoch 1, as a rank stuck in I/O would be: nothing dies, so only the
+    collective timeout can end the run. Rank 0's next collective fails after --collective-timeout seconds, not before,
+    rank 0 exits, and the launcher ends rank 1 (or has sent it SIGTERM)."""
+    cmd, extra = LAUNCHERS[step]
+    proc = start([*cmd, *SYNTHETIC, "--epochs", "50", "--collective-timeout", str(TIMEOUT)], child_env(**extra))
+    lines, pids = [], {}
+    while len(pids) < 2:
+        match = read_until(proc, LAUNCH_LINE, lines)
+        pids[match.group(1)] = int(match.group(5))
+    read_until(proc, "epoch 1/50", lines)  # training is under way
+    os.kill(pids["1"], signal.SIGSTOP)
+    stopped = time.monotonic()
+    while not (ended_or_told_to(pids["0"]) and ended_or_told_to(pids["1"])) and time.monotonic() - stopped < 60:
+        time.sleep(0.1)
+    ended_in = time.monotonic() - stopped
+    try:
+        os.kill(pids["1"], signal.SIGKILL)  # a stopped process keeps a SIGTERM pending
+    except ProcessLookupError:
+        pass
+    result = finish(proc, lines, timeout=60)
+    print(f"{step}: rank 1 stopped; rank 0 failed and the launcher ended both {ended_in:.1f} s later "
+          f"(--collective-timeout {TIMEOUT})")
+    assert TIMEOUT - 1 <= ended_in < TIMEOUT + 20, f"ended {ended_in:.1f} s after the stop:\n{result}"
+    assert "timed out" in result.output.lower(), result  # Gloo's own words for a collective that waited too long
+    assert result.returncode != 0 and "epoch 50/50" not in result.output, result
+
+
+def test_a_slow_rank0_save_does_not_count_against_the_timeout(tmp_path, reference):
+    """Rank 0's checkpoint writes take twice --collective-timeout (a slow shared filesystem; torch.save made slow by a
+    sitecustomize): the others wait for them in a group of their own, and the run ends with 01's weights."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"""
+import os
+if os.environ.get("RANK") == "0":
+    import time, torch
+    save = torch.save
+    torch.save = lambda *args, **kwargs: (time.sleep({2 * TIMEOUT}), save(*args, **kwargs))[1]
+""")
+    checkpoint = tmp_path / "ckpt.pt"
+    proc = start(["bash", "04_ddp_torchrun/run.sh", *SYNTHETIC, *batch_args("04_ddp_torchrun"), "--epochs", "2",
+                  "--checkpoint", str(checkpoint), "--collective-timeout", str(TIMEOUT)],
+                 child_env(NPROC_PER_NODE="2", MAX_RESTARTS="0", PYTHONPATH=str(site)))
+    result = finish(proc, [], timeout=120)
+    assert result.returncode == 0, result
+    assert result.output.count("epoch 2/2 |") == 1 and result.seconds > 4 * TIMEOUT, result  # two slow saves
+    assert max_abs_diff(weights(checkpoint), weights(reference.epoch2)) <= TOLERANCE
+
+
 def test_torchrun_restart_resumes_from_the_checkpoint(tmp_path, reference):
     """A worker dies in epoch 2; torchrun restarts both, they resume after epoch 1 and end with the
     weights of an uninterrupted run."""

@@ -114,8 +114,8 @@ def stops_and_resumes(log):
 def sbatch_05(tmp_path, nodes, tasks, train_args, wait=True, sbatch_args=(), env=None, cpus=None):
     """sbatch 05_ddp_slurm/submit.sh as a user would, overriding what a CPU-only cluster needs."""
     cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks-per-node={tasks}", "--gpus-per-node=0",
-           f"--cpus-per-task={cpus or NODE_CPUS // tasks}", "--time=10", f"--output={tmp_path}/%x-%j.out", *(["--wait"] if wait else []),
-           *sbatch_args, "05_ddp_slurm/submit.sh", *train_args]
+           f"--cpus-per-task={cpus or NODE_CPUS // tasks}", "--time=10", f"--output={tmp_path}/%x-%j.out",
+           *(["--wait"] if wait else []), *sbatch_args, "05_ddp_slurm/submit.sh", *train_args]
     return subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -80,8 +80,8 @@ def test_submit_sh_04_gives_each_node_its_cores(slurm, cores_env, reference, tmp
     job = Job(tmp_path, [*TRAIN_ARGS, "--checkpoint", f"{tmp_path}/ckpt.pt"],
               cpus=CPUS, env={**cores_env, "NPROC_PER_NODE": "1"})
     assert job.finish(180) == 0, job.details()
-    trainers = trainers_and_workers(cores_env["TEST_CORES_LOG"],
-                                    lambda cmd: "04_ddp_torchrun/train.py" in cmd and "torch.distributed.run" not in cmd)
+    is_trainer = lambda cmd: "04_ddp_torchrun/train.py" in cmd and "torch.distributed.run" not in cmd  # not the agent
+    trainers = trainers_and_workers(cores_env["TEST_CORES_LOG"], is_trainer)
     check(trainers, 2, 1, job.log())
     assert max_abs_diff(weights(tmp_path / "ckpt.pt"), weights(reference.epoch1)) <= TOLERANCE
 

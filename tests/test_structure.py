@@ -29,7 +29,7 @@ SHARED = {
     "signalled": ["05 06"],
     "stop_requested": ["05 06"],
 }
-ALLOWED_IMPORTS = {"argparse", "os", "signal", "socket", "subprocess", "sys", "time", "torch", "torchvision",
+ALLOWED_IMPORTS = {"argparse", "datetime", "os", "signal", "socket", "subprocess", "sys", "time", "torch", "torchvision",
                    "submitit"}
 
 
