@@ -35,7 +35,7 @@ def parse_args():
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--collective-timeout", type=float, default=600,
                         help="seconds a collective waits for every rank: a rank that stops answering ends the run "
-                             "after this long (rank 0's download and checkpoints may take an hour)")
+                             "after this long (rank 0's download and checkpoints get at least an hour)")
     args = parser.parse_args()
     if args.epochs < 1 or args.batch_size < 1 or args.workers < 0 or not args.lr > 0:
         parser.error("--epochs and --batch-size must be at least 1, --workers at least 0, --lr above 0")
@@ -133,7 +133,7 @@ def load_checkpoint(path, model, optimizer, group):
     looks for path and reads it, and every rank loads what it read: all resume from one state, even where a
     node's view of shared storage lags behind. The others wait for rank 0's read in group."""
     state = [torch.load(path, map_location="cpu") if dist.get_rank() == 0 and os.path.exists(path) else None]
-    dist.broadcast_object_list(state, group=group)  # DDP: rank 0's object, pickled, to all (via the GPU under NCCL)
+    dist.broadcast_object_list(state, group=group)  # DDP: rank 0's object, pickled, to all (on the CPU, in Gloo)
     state = state[0]
     if state is not None:
         model.load_state_dict(state["model"])  # onto this process's device, whatever the saver's was
@@ -168,8 +168,8 @@ def setup(rank, local_rank, world_size, timeout, store=None):
 def train(args, rank, world_size, device):
     is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
     # DDP: while rank 0 alone works (download, reading or writing a checkpoint) the others wait in this group,
-    # whose collectives allow an hour: that work can outlast --collective-timeout.
-    rank0_work = dist.new_group(timeout=timedelta(hours=1))
+    # which allows at least an hour, as that work can outlast --collective-timeout. Gloo: on the CPU, no GPU memory.
+    rank0_work = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, args.collective_timeout)))
     if args.dataset == "mnist" and is_main:
         download_mnist(args.data_dir)
     dist.barrier(group=rank0_work)  # DDP: the other ranks read MNIST only once rank 0 has it

@@ -78,7 +78,7 @@ SlurmdPidFile=$STATE/slurmd-%n.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
 SlurmdLogFile=$STATE/log/slurmd-%n.log
 # No cgroups here: track processes through /proc. Bind each task to its cores (sched_setaffinity), as
-# real sites do, so that a task that srun gives fewer cores than the job asked for shows it.
+# real sites do.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
@@ -143,8 +143,8 @@ EOF
 DB_OPTIONS=(--no-defaults --user=mysql --datadir="$STATE/db/data" --innodb-buffer-pool-size=512M
   --innodb-log-file-size=32M --innodb-lock-wait-timeout=900)
 
-# Initialises a database in $STATE/db, starts MariaDB on it (it runs as mysql, so its log is in there too) (TCP on 127.0.0.1 only, no name lookups for
-# the clients' addresses) and creates the user slurmdbd logs in as, with the password given.
+# Initialises a database in $STATE/db, starts MariaDB on it (TCP on 127.0.0.1 only, no name lookups for the
+# clients' addresses; it runs as mysql, so its log is in there too) and creates the user slurmdbd logs in as.
 start_database() {
   local password=$1
   rm -rf "$STATE/db"  # a stopped cluster's database, kept with KEEP_LOGS=1: every start begins empty

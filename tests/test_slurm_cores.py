@@ -52,7 +52,7 @@ def trainers_and_workers(log_path, is_trainer):
 
 def check(trainers, count, workers_per_loader, log):
     """count training processes on n1 and n2; each may run on CPUS cores, and its threads and its workers
-    (the training loader's and the evaluation's, each alive only while its loader runs) fit in them."""
+    fit in them (counted per loader: the training and the evaluation loaders' workers take turns)."""
     summary = [(t["host"], t["cores"], t["omp"], len(t["workers"])) for t in trainers]
     print(f"training processes (host, cores, OMP_NUM_THREADS, workers): {summary}")
     assert len(trainers) == count and {t["host"] for t in trainers} == {"n1", "n2"}, (summary, log)
@@ -63,7 +63,7 @@ def check(trainers, count, workers_per_loader, log):
         assert all(worker["cores"] == trainer["cores"] for worker in trainer["workers"]), (summary, log)
 
 
-def test_submit_sh_05_gives_each_task_its_cores(slurm, cores_env, reference, tmp_path):
+def test_submit_sh_05_fits_threads_and_workers_in_the_task_cores(slurm, cores_env, reference, tmp_path):
     proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS,
                                       "--checkpoint", f"{tmp_path}/ckpt.pt"],
                      sbatch_args=[f"--cpus-per-task={CPUS}"], env=cores_env)
@@ -75,7 +75,7 @@ def test_submit_sh_05_gives_each_task_its_cores(slurm, cores_env, reference, tmp
     assert max_abs_diff(weights(tmp_path / "ckpt.pt"), weights(reference.epoch1)) <= TOLERANCE
 
 
-def test_submit_sh_04_gives_each_node_its_cores(slurm, cores_env, reference, tmp_path):
+def test_submit_sh_04_fits_threads_and_workers_in_the_node_cores(slurm, cores_env, reference, tmp_path):
     """One process per node here (NPROC_PER_NODE=1), so that it has both of the task's cores to split."""
     job = Job(tmp_path, [*TRAIN_ARGS, "--checkpoint", f"{tmp_path}/ckpt.pt"],
               cpus=CPUS, env={**cores_env, "NPROC_PER_NODE": "1"})
@@ -86,7 +86,7 @@ def test_submit_sh_04_gives_each_node_its_cores(slurm, cores_env, reference, tmp
     assert max_abs_diff(weights(tmp_path / "ckpt.pt"), weights(reference.epoch1)) <= TOLERANCE
 
 
-def test_submitit_gives_each_task_its_cores(slurm, cores_env, reference, tmp_path, monkeypatch):
+def test_submitit_fits_threads_and_workers_in_the_task_cores(slurm, cores_env, reference, tmp_path, monkeypatch):
     for name, value in cores_env.items():
         monkeypatch.setenv(name, value)  # launch_06 passes this process's environment on, and so the job's
     proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS,

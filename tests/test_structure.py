@@ -29,8 +29,8 @@ SHARED = {
     "signalled": ["05 06"],
     "stop_requested": ["05 06"],
 }
-ALLOWED_IMPORTS = {"argparse", "datetime", "os", "signal", "socket", "subprocess", "sys", "time", "torch", "torchvision",
-                   "submitit"}
+ALLOWED_IMPORTS = {"argparse", "datetime", "os", "signal", "socket", "subprocess", "sys", "time", "torch",
+                   "torchvision", "submitit"}
 
 
 def definitions(step):
