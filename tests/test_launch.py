@@ -28,14 +28,15 @@ def test_each_process_finds_its_gpu(monkeypatch, capsys, step, visible, local_ra
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(visible))))
     if expected is None:
         with pytest.raises(SystemExit) as stopped:
-            module.setup(5, local_rank, 8)
+            module.setup(5, local_rank, 8, 600)
         assert str(stopped.value) == ("error: local rank 3 sees 2 GPUs (CUDA_VISIBLE_DEVICES=0,1): give each task "
                                       "all of its node's GPUs or exactly one, and start one process per GPU")
         assert not calls
         return
-    device = module.setup(5, local_rank, 8)
+    device = module.setup(5, local_rank, 8, 600)
     assert str(device) == calls["set_device"] == str(calls["device_id"]) == expected
     assert (calls["backend"], calls["rank"], calls["world_size"]) == ("nccl", 5, 8)
+    assert calls["timeout"].total_seconds() == 600  # --collective-timeout reaches the process group
     printed = capsys.readouterr().out
     assert f"rank 5/8 local_rank {local_rank} " in printed and f" device {expected} backend nccl " in printed, printed
 
