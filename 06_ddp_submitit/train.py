@@ -351,7 +351,7 @@ def main():
                                # submitit: its srun does not pass --cpus-per-task on, which Slurm 22.05 and
                                # later no longer do by themselves: where tasks are bound, each gets one core.
                                slurm_srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={args.cpus_per_task}"],
-                               slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}"])
+                               slurm_setup=[f"export OMP_NUM_THREADS={args.cpus_per_task - args.cpus_per_task // 2}"])
     job = executor.submit(Trainer(), args)
     print(f"submitted job {job.job_id}; logs in {job.paths.folder} (rank 0: {job.job_id}_0_log.out)", flush=True)
     job.results()  # waits for the job, through requeues, and raises its error if it failed

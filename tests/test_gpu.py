@@ -1,9 +1,10 @@
-"""Every step on CUDA with NCCL, at the world size this machine's GPUs allow (marked gpu; skipped, with the
-reason, where no CUDA device is present: such a run proves nothing about the GPU path).
+"""Every step on CUDA with NCCL, at the largest power-of-two world size this machine's GPUs allow (marked gpu;
+skipped, with the reason, where no CUDA device is present: such a run proves nothing about the GPU path).
 
 TF32 is turned off in every process (a sitecustomize on PYTHONPATH), so that the steps' weights can be
 compared with 01's on the same GPU. GPU_TOLERANCE is a first guess, not yet measured on a GPU: the first run
 on one prints each step's difference, and the bound should then be set from what it shows."""
+import os
 import sys
 
 import pytest
@@ -12,7 +13,9 @@ import torch
 from conftest import SYNTHETIC, Result, child_env, max_abs_diff, run, run_slurm_tasks, submitit_logs, weights
 
 GPUS = torch.cuda.device_count()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA device here: the GPU path did not run")]
+WORLD = 1 << (min(GPUS, 16).bit_length() - 1) if GPUS else 0  # a power of two, so that 64 splits evenly
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="no CUDA device here: the GPU path did not run"),
+              pytest.mark.timeout(1800)]  # the first test also waits for the six runs of gpu_runs
 GLOBAL_BATCH = 64
 GPU_TOLERANCE = 1e-4
 NO_TF32 = """
@@ -28,25 +31,25 @@ def gpu_env(tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
     (site / "sitecustomize.py").write_text(NO_TF32)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", str(site))  # child_env copies this process's environment
+        patch.setenv("PYTHONPATH", str(site), prepend=os.pathsep)  # child_env copies this process's environment
         yield child_env
 
 
 def run_on_gpus(step, args, folder, env):
-    """One step on every GPU here (01: one), with the same global batch as 01."""
-    per_process = ["--batch-size", str(GLOBAL_BATCH // GPUS)]
+    """One step on WORLD GPUs (01: one), with the same global batch as 01."""
+    per_process = ["--batch-size", str(GLOBAL_BATCH // WORLD)]
     if step in ("01_single_gpu", "02_dataparallel"):
         return run([sys.executable, f"{step}/train.py", *args, "--batch-size", str(GLOBAL_BATCH)], 600, env=env())
     if step == "03_ddp_mpspawn":
-        return run([sys.executable, f"{step}/train.py", "--world-size", str(GPUS), *args, *per_process], 600,
+        return run([sys.executable, f"{step}/train.py", "--world-size", str(WORLD), *args, *per_process], 600,
                    env=env())
     if step == "04_ddp_torchrun":
-        return run(["bash", f"{step}/run.sh", *args, *per_process], 600, env=env(NPROC_PER_NODE=str(GPUS)))
+        return run(["bash", f"{step}/run.sh", *args, *per_process], 600, env=env(NPROC_PER_NODE=str(WORLD)))
     if step == "05_ddp_slurm":
-        return run_slurm_tasks([*args, *per_process], world_size=GPUS, timeout=600)
+        return run_slurm_tasks([*args, *per_process], world_size=WORLD, timeout=600)
     log_dir = folder / "submitit"
-    result = run([sys.executable, f"{step}/train.py", "--local", "--tasks-per-node", str(GPUS), "--gpus-per-node",
-                  str(GPUS), "--log-dir", str(log_dir), *args, *per_process], 600, env=env())
+    result = run([sys.executable, f"{step}/train.py", "--local", "--tasks-per-node", str(WORLD), "--gpus-per-node",
+                  str(WORLD), "--log-dir", str(log_dir), *args, *per_process], 600, env=env())
     return Result(result.returncode, result.output + submitit_logs(log_dir), result.stderr, result.seconds)
 
 
@@ -70,13 +73,19 @@ def test_step_trains_on_the_gpu_like_01(step, gpu_runs):
     assert result.returncode == 0, result
     epochs = result.epochs()
     assert len(epochs) == 1 and epochs[0]["acc"] > 50, result
-    if step not in ("01_single_gpu", "02_dataparallel"):
+    if step in ("01_single_gpu", "02_dataparallel"):
+        assert " device cuda" in result.output, result
+        assert step == "01_single_gpu" or f" GPUs {GPUS}" in result.output, result  # DataParallel over all
+    else:
         launches = result.launches()  # (rank, world, local rank, host, pid, device, backend, ...)
-        assert len(launches) == GPUS and {launch[6] for launch in launches} == {"nccl"}, result
-        assert sorted(launch[5] for launch in launches) == [f"cuda:{i}" for i in range(GPUS)], result
+        assert len(launches) == WORLD and {launch[6] for launch in launches} == {"nccl"}, result
+        devices = sorted((launch[5] for launch in launches), key=lambda device: int(device.split(":")[1]))
+        assert devices == [f"cuda:{i}" for i in range(WORLD)], result
     diff = max_abs_diff(weights(gpu_runs[step]["checkpoint"]), weights(gpu_runs["01_single_gpu"]["checkpoint"]))
-    print(f"{step} on {GPUS} GPU(s): {epochs[0]['samples_per_s']:.0f} samples/s, max abs diff to 01 {diff:.2e}")
-    assert diff <= GPU_TOLERANCE
+    figures = (f"{step} on {WORLD} of {GPUS} GPU(s): {epochs[0]['samples_per_s']:.0f} samples/s, "
+               f"max abs diff to 01 {diff:.2e}")
+    print(figures)
+    assert diff <= GPU_TOLERANCE, figures
 
 
 def test_a_gpu_checkpoint_resumes_in_another_step(gpu_env, gpu_runs, tmp_path):

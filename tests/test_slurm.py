@@ -1,9 +1,10 @@
 """Steps 05 and 06 on a real two-node Slurm cluster that tests/slurm_cluster.sh starts on this machine:
 the user's own submit.sh and submitit's Slurm executor, on 1 node x 2 tasks and 2 nodes x 1 task,
 preemption that requeues and resumes, Slurm's own time-limit warning, many time-outs in one submitit
-job, two jobs at once on the same nodes, and what accounting (sacct) records of each."""
+job, two jobs at once on the same nodes, a rank that dies, and what accounting (sacct) records of each."""
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import torch
 
 from conftest import (REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff, read_line,
                       submitit_logs, weights)
+from test_failures import ended_or_told_to
 
 pytestmark = pytest.mark.slurm
 CLUSTER = REPO / "tests" / "slurm_cluster.sh"
@@ -399,3 +401,43 @@ def test_submitit_requeues_after_many_timeouts(slurm, submitit_runs, reference, 
     assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
     assert accounted_runs(job_id) == ["REQUEUED"] * TIMEOUTS + ["COMPLETED"]
     assert "sacct error" not in err, err
+
+
+# --- a rank that dies: srun --kill-on-bad-exit ends the others (05's submit.sh, and 06's job) ---
+
+def stop_rank0_kill_rank1(log_of, what):
+    """Once epoch 1 is done: SIGSTOP to rank 0, so that it cannot fail by itself (Gloo would fail it at once),
+    and SIGKILL to rank 1. Returns how long it took until rank 0 had ended or been sent SIGTERM/SIGKILL."""
+    wait_for(lambda: "epoch 1/50 |" in log_of(), 120, f"{what}: epoch 1", log_of)
+    pids = {rank: int(pid) for rank, _, _, _, pid, *_ in Result(0, log_of(), "", 0).launches()}
+    os.kill(pids["0"], signal.SIGSTOP)
+    os.kill(pids["1"], signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: ended_or_told_to(pids["0"]), 30, f"{what}: srun to end the stopped rank 0", log_of)
+    ended_in = time.monotonic() - killed
+    print(f"{what}: srun ended the stopped rank 0 {ended_in:.1f} s after rank 1 died")
+    return ended_in
+
+
+def test_submit_sh_ends_the_job_when_a_rank_dies(slurm, tmp_path):
+    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "50", "--checkpoint", f"{tmp_path}/ckpt.pt"])
+    job_id = job_id_of(proc)
+    try:
+        stop_rank0_kill_rank1(lambda: read(tmp_path / f"ddp-slurm-{job_id}.out"), "05")
+        assert finish(proc, 60) != 0
+    finally:
+        subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=30)
+    assert accounted_runs(job_id) == ["FAILED"]
+
+
+def test_submitit_job_ends_when_a_rank_dies(slurm, tmp_path):
+    proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--epochs", "50"])
+    job_id = int(re.search(r"submitted job (\d+)", read_line(proc, time.monotonic() + 60)).group(1))
+    try:
+        stop_rank0_kill_rank1(lambda: submitit_logs(tmp_path / "logs"), "06")
+        out, err = proc.communicate(timeout=180)  # submitit polls sacct, then waits for a result file
+    finally:
+        proc.kill()
+        subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=30)  # no stopped rank left behind
+    assert proc.returncode != 0, out + err
+    assert accounted_runs(job_id) == ["FAILED"]
