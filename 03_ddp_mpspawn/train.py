@@ -2,10 +2,11 @@
 
 Run:  bash 03_ddp_mpspawn/run.sh --epochs 3 --checkpoint ckpt.pt   (--dataset synthetic needs no download)
 
-Changed since 02: mp.spawn starts --world-size processes that meet at a free localhost port (NCCL
-on GPUs, Gloo on the CPU). Each wraps the model in DDP, trains on its own shard of every epoch and
-adds its losses and evaluation counts to the others'. Only rank 0 downloads, prints and saves. The
-global batch is --batch-size x world size.
+Changed since 02: mp.spawn starts --world-size processes that meet at a store this process serves on
+a port the OS picks (NCCL on GPUs, Gloo on the CPU). Each wraps the model in DDP, trains on its own
+shard of every epoch and adds its losses and evaluation counts to the others'. Only rank 0
+downloads, prints and saves. A rank that stops answering fails the others' next collective after
+--collective-timeout seconds. The global batch is --batch-size x world size.
 """
 import argparse
 import os
@@ -147,8 +148,8 @@ def load_checkpoint(path, model, optimizer, group):
 
 
 def setup(rank, local_rank, world_size, timeout, store=None):
-    """DDP: pick this process's device and join the process group (through store, or the MASTER_ADDR and
-    MASTER_PORT of the environment); returns the device."""
+    """DDP: pick this process's device and join the process group (through store, which only 03 passes, or
+    the MASTER_ADDR and MASTER_PORT of the environment); returns the device."""
     if torch.cuda.is_available():
         # DDP: one process per GPU. The task sees all of its node's GPUs (take the local rank's) or, where the
         # site binds one GPU per task (--gpus-per-task, --gpu-bind, a container), only its own, as cuda:0.

@@ -142,8 +142,8 @@ def load_checkpoint(path, model, optimizer, group):
 
 
 def setup(rank, local_rank, world_size, timeout, store=None):
-    """DDP: pick this process's device and join the process group (through store, or the MASTER_ADDR and
-    MASTER_PORT of the environment); returns the device."""
+    """DDP: pick this process's device and join the process group (through store, which only 03 passes, or
+    the MASTER_ADDR and MASTER_PORT of the environment); returns the device."""
     if torch.cuda.is_available():
         # DDP: one process per GPU. The task sees all of its node's GPUs (take the local rank's) or, where the
         # site binds one GPU per task (--gpus-per-task, --gpu-bind, a container), only its own, as cuda:0.

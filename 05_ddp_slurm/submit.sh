@@ -36,7 +36,7 @@ for port in (20000 + (job + i) % 12000 for i in range(12000)):
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", port))
-        except OSError:  # held by another process
+        except OSError:  # held by another process (a store listens on every address, IPv4 and IPv6)
             continue
     print(port)
     break

@@ -62,7 +62,7 @@ def parse_args():
     if args.local and args.nodes > 1:
         parser.error("--local runs the tasks on this machine: one node")
     # submitit: the task's cores are split so that nothing runs on top of anything else: half for data-loader
-    # workers (one core each), the rest for the main process's threads (OMP_NUM_THREADS, set in main()).
+    # workers (one core each), the rest for the main process's threads (OMP_NUM_THREADS, set on Slurm in main()).
     args.workers = args.cpus_per_task // 2 if args.workers is None else args.workers
     if args.epochs < 1 or args.batch_size < 1 or args.workers < 0 or not args.lr > 0:
         parser.error("--epochs and --batch-size must be at least 1, --workers at least 0, --lr above 0")
@@ -218,8 +218,8 @@ def load_checkpoint(path, model, optimizer, group):
 
 
 def setup(rank, local_rank, world_size, timeout, store=None):
-    """DDP: pick this process's device and join the process group (through store, or the MASTER_ADDR and
-    MASTER_PORT of the environment); returns the device."""
+    """DDP: pick this process's device and join the process group (through store, which only 03 passes, or
+    the MASTER_ADDR and MASTER_PORT of the environment); returns the device."""
     if torch.cuda.is_available():
         # DDP: one process per GPU. The task sees all of its node's GPUs (take the local rank's) or, where the
         # site binds one GPU per task (--gpus-per-task, --gpu-bind, a container), only its own, as cuda:0.

@@ -2,6 +2,7 @@
 order, every train.py stands alone (no import from another folder), and nothing hard-codes CUDA."""
 import ast
 import re
+import subprocess
 
 import pytest
 
@@ -82,3 +83,14 @@ def test_no_hard_coded_cuda(step):
     for line in source.splitlines():
         if 'torch.device("cuda"' in line:  # only where a GPU was found
             assert "is_available()" in line or "local_rank" in line, line
+
+
+def test_the_readme_gives_the_real_diff_sizes():
+    """The README's table of changed lines between neighbours, as `diff A B | grep -c '^[<>]'` counts them."""
+    counts = []
+    for before, after in zip(STEPS, STEPS[1:]):
+        diff = subprocess.run(["diff", f"{before}/train.py", f"{after}/train.py"], cwd=REPO, capture_output=True,
+                              text=True).stdout
+        counts.append(sum(line[:1] in "<>" for line in diff.splitlines()))
+    row = re.search(r"^\| 01 -> 02 \|.*\n\|[-|]+\|\n\|([\d |]+)\|$", (REPO / "README.md").read_text(), re.M)
+    assert row and [int(n) for n in row.group(1).split("|")] == counts, f"README table; the files give {counts}"
