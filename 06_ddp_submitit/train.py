@@ -307,6 +307,9 @@ def requeue(is_main, position):
     """submitit: its handler calls Trainer.checkpoint() and requeues the job on rank 0, then exits."""
     if is_main:
         print(f"stopped at {position} on SIGUSR2: submitit requeues the job", flush=True)
+    # submitit: the requeue has Slurm send SIGTERM to the job's processes, maybe before the `scontrol requeue`
+    # that asked for it has returned (a busy controller): ignored, also by scontrol, else submitit's requeue fails.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     STOP["submitit_handler"](signal.SIGUSR2, None)
     sys.exit(0)  # other ranks: leave without a result; the requeued job writes it
 

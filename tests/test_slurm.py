@@ -4,6 +4,7 @@ preemption that requeues and resumes, Slurm's own time-limit warning, many time-
 job, two jobs at once on the same nodes, a rank that dies, and what accounting (sacct) records of each."""
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -282,12 +283,12 @@ def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
 
 # --- 06: submitit's Slurm executor ---
 
-def launch_06(log_dir, nodes, tasks, train_args):
+def launch_06(log_dir, nodes, tasks, train_args, env=None):
     cmd = [sys.executable, "06_ddp_submitit/train.py", "--nodes", str(nodes), "--tasks-per-node", str(tasks),
            "--gpus-per-node", "0", "--cpus-per-task", str(NODE_CPUS // tasks), "--timeout-min", "10",
            "--log-dir", str(log_dir), *train_args]
-    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 @pytest.fixture(scope="session")
@@ -401,6 +402,41 @@ def test_submitit_requeues_after_many_timeouts(slurm, submitit_runs, reference, 
     assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
     assert accounted_runs(job_id) == ["REQUEUED"] * TIMEOUTS + ["COMPLETED"]
     assert "sacct error" not in err, err
+
+
+def test_submitit_requeue_survives_a_slow_controller(slurm, reference, tmp_path):
+    """A busy slurmctld can have the job's processes sent SIGTERM for the requeue before the `scontrol
+    requeue` that asked for it returns; scontrol is one of them. submitit's requeue then fails, which writes
+    an error result: with one task the launcher takes it for the job's end and fails while the requeued job
+    trains on. A scontrol that lingers 1 s after the requeue (under the cluster's KillWait of 2 s) makes
+    that order certain here."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "scontrol").write_text(f'#!/bin/bash\n{shutil.which("scontrol")} "$@"\nstatus=$?\n'
+                                    '[ "$1" = requeue ] && sleep 1\nexit $status\n')
+    (shims / "scontrol").chmod(0o755)
+    proc = launch_06(tmp_path / "logs", 1, 1, [*SYNTHETIC, *batch_args("01_single_gpu"), "--epochs", "2",
+                                               "--checkpoint", f"{tmp_path}/ckpt.pt"],
+                     env=dict(PATH=f"{shims}{os.pathsep}{child_env()['PATH']}"))
+    deadline = time.monotonic() + 60
+    job_id = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission").group(1)
+    rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
+    details = lambda: f"--- task log\n{rank0_log()}\n--- launcher exit\n{proc.poll()}\n--- scontrol\n{job_state(job_id)}"
+    try:
+        wait_for(lambda: re.search(r"^rank 0/1 ", rank0_log(), re.M), 120, "the launch line", details)
+        control("scancel", "--signal=USR2", job_id)  # fails if the job has already ended
+        out, err = proc.communicate(timeout=180)
+    except BaseException:
+        proc.kill()
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)  # no job left behind
+        raise
+    log = rank0_log()
+    assert proc.returncode == 0 and f"job {job_id} finished" in out, out + err + details()
+    assert "Requeued job" in log and "triggered an exception" not in log, log  # submitit's requeue went through
+    stops, resumes = stops_and_resumes(log)
+    assert len(stops) == 1 and resumes == stops and log.count("epoch 2/2 |") == 1, log
+    assert max_abs_diff(weights(f"{tmp_path}/ckpt.pt"), weights(reference.epoch2)) <= TOLERANCE
+    assert accounted_runs(job_id) == ["REQUEUED", "COMPLETED"]
 
 
 # --- a rank that dies: srun --kill-on-bad-exit ends the others (05's submit.sh, and 06's job) ---
