@@ -2,10 +2,9 @@
 
 Run:  bash 02_dataparallel/run.sh --epochs 3 --checkpoint ckpt.pt   (--dataset synthetic needs no download)
 
-Changed since 01: with GPUs the model is wrapped in nn.DataParallel, which splits every batch across
-them, runs the replicas in threads and sums the gradients on the first GPU; the global batch is still
---batch-size. On a CPU the plain model runs as in 01. Checkpoints hold the unwrapped model (no
-"module." prefix). DataParallel is simple but slow: 03 moves to DDP.
+Changed since 01: with GPUs, nn.DataParallel splits every batch (still --batch-size) across them, runs
+the replicas in threads and sums the gradients on the first GPU. On a CPU the plain model runs as in 01.
+Checkpoints hold the unwrapped model (no "module." prefix). Simple but slow: 03 moves to DDP.
 """
 import argparse
 import os
@@ -30,9 +29,12 @@ def parse_args():
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int, default=1, help="data-loader worker processes per process")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
+    parser.add_argument("--log-interval", type=int, default=200,
+                        help="steps between progress lines inside an epoch (0: only the line at its end)")
     args = parser.parse_args()
-    if args.epochs < 1 or args.batch_size < 1 or args.workers < 0 or not args.lr > 0:
-        parser.error("--epochs and --batch-size must be at least 1, --workers at least 0, --lr above 0")
+    if args.epochs < 1 or args.batch_size < 1 or min(args.workers, args.log_interval) < 0 or not args.lr > 0:
+        parser.error("--epochs and --batch-size must be at least 1, --workers and --log-interval at least 0, "
+                     "--lr above 0")
     return args
 
 
@@ -81,11 +83,13 @@ class Net(nn.Module):
         return self.fc2(F.silu(self.fc1(x.flatten(1))))
 
 
-def train_one_epoch(model, loader, optimizer, device):
-    """One pass over loader; returns (mean training loss, number of samples)."""
+def train_one_epoch(model, loader, optimizer, device, epoch, log_interval):
+    """One pass over loader; returns (mean training loss, number of samples). Every log_interval steps (0:
+    never) it prints the mean loss and the speed since the line before."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
-    for images, labels in loader:
+    logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
+    for step, (images, labels) in enumerate(loader):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(images), labels)
@@ -93,6 +97,11 @@ def train_one_epoch(model, loader, optimizer, device):
         optimizer.step()
         totals[0] += loss.detach() * len(labels)  # stays on the device: no GPU sync per step
         totals[1] += len(labels)
+        if log_interval and (step + 1) % log_interval == 0:  # one GPU sync per progress line, none between
+            (loss_sum, samples), now = (totals - logged).tolist(), time.perf_counter()
+            print(f"epoch {epoch + 1} step {step + 1}/{len(loader)} | loss {loss_sum / samples:.4f} | "
+                  f"{samples / (now - logged_at):.0f} samples/s", flush=True)
+            logged, logged_at = totals.clone(), now
     return (totals[0] / totals[1]).item(), int(totals[1])
 
 
@@ -151,7 +160,7 @@ def train(args, device):
     for epoch in range(start_epoch, args.epochs):
         generator.manual_seed(args.seed + epoch)
         start = time.perf_counter()
-        loss, samples = train_one_epoch(dp_model, train_loader, optimizer, device)
+        loss, samples = train_one_epoch(dp_model, train_loader, optimizer, device, epoch, args.log_interval)
         train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
         if args.checkpoint:

@@ -35,6 +35,8 @@ def parse_args():
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int, default=1, help="data-loader worker processes per process")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
+    parser.add_argument("--log-interval", type=int, default=200,
+                        help="steps between progress lines inside an epoch (0: only the line at its end)")
     parser.add_argument("--collective-timeout", type=float, default=600,
                         help="seconds a collective waits for every rank: a rank that stops answering ends the run "
                              "after this long (rank 0's download and checkpoints get at least an hour)")
@@ -43,8 +45,9 @@ def parse_args():
     args = parser.parse_args()
     if args.world_size < 1 or (torch.cuda.is_available() and args.world_size > torch.cuda.device_count()):
         parser.error("--world-size must be at least 1, and with GPUs at most the number of GPUs")
-    if args.epochs < 1 or args.batch_size < 1 or args.workers < 0 or not args.lr > 0:
-        parser.error("--epochs and --batch-size must be at least 1, --workers at least 0, --lr above 0")
+    if args.epochs < 1 or args.batch_size < 1 or min(args.workers, args.log_interval) < 0 or not args.lr > 0:
+        parser.error("--epochs and --batch-size must be at least 1, --workers and --log-interval at least 0, "
+                     "--lr above 0")
     if not args.collective_timeout > 0:
         parser.error("--collective-timeout must be above 0 seconds")
     return args
@@ -95,11 +98,13 @@ class Net(nn.Module):
         return self.fc2(F.silu(self.fc1(x.flatten(1))))
 
 
-def train_one_epoch(model, loader, optimizer, device):
-    """One pass over loader; returns (mean training loss, number of samples)."""
+def train_one_epoch(model, loader, optimizer, device, epoch, log_interval):
+    """One pass over loader; returns (mean training loss, number of samples). Every log_interval steps (0:
+    never) it prints the mean loss and the speed since the line before."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
-    for images, labels in loader:
+    logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
+    for step, (images, labels) in enumerate(loader):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(images), labels)
@@ -107,6 +112,12 @@ def train_one_epoch(model, loader, optimizer, device):
         optimizer.step()
         totals[0] += loss.detach() * len(labels)  # stays on the device: no GPU sync per step
         totals[1] += len(labels)
+        if log_interval and (step + 1) % log_interval == 0:  # one GPU sync per progress line, none between
+            (loss_sum, samples), now = (totals - logged).tolist(), time.perf_counter()
+            # DDP: rank 0's own loss (an average over ranks would take a collective); each rank trains as many.
+            print(f"epoch {epoch + 1} step {step + 1}/{len(loader)} | loss {loss_sum / samples:.4f} "
+                  f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} samples/s", flush=True)
+            logged, logged_at = totals.clone(), now
     dist.all_reduce(totals)  # DDP: sum over ranks, so rank 0 reports the global mean loss
     return (totals[0] / totals[1]).item(), int(totals[1])
 
@@ -201,7 +212,8 @@ def train(args, rank, world_size, device):
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
         start = time.perf_counter()
-        loss, samples = train_one_epoch(ddp_model, train_loader, optimizer, device)
+        loss, samples = train_one_epoch(ddp_model, train_loader, optimizer, device, epoch,
+                                        args.log_interval if is_main else 0)
         train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
         if args.checkpoint and is_main:

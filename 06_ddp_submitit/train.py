@@ -37,6 +37,8 @@ def parse_args():
     parser.add_argument("--workers", type=int,
                         help="data-loader worker processes per process (default: half of --cpus-per-task)")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
+    parser.add_argument("--log-interval", type=int, default=200,
+                        help="steps between progress lines inside an epoch (0: only the line at its end)")
     parser.add_argument("--collective-timeout", type=float, default=600,
                         help="seconds a collective waits for every rank: a rank that stops answering ends the run "
                              "after this long (rank 0's download and checkpoints get at least an hour)")
@@ -64,8 +66,9 @@ def parse_args():
     # submitit: the task's cores are split so that nothing runs on top of anything else: half for data-loader
     # workers (one core each), the rest for the main process's threads (OMP_NUM_THREADS, set on Slurm in main()).
     args.workers = args.cpus_per_task // 2 if args.workers is None else args.workers
-    if args.epochs < 1 or args.batch_size < 1 or args.workers < 0 or not args.lr > 0:
-        parser.error("--epochs and --batch-size must be at least 1, --workers at least 0, --lr above 0")
+    if args.epochs < 1 or args.batch_size < 1 or min(args.workers, args.log_interval) < 0 or not args.lr > 0:
+        parser.error("--epochs and --batch-size must be at least 1, --workers and --log-interval at least 0, "
+                     "--lr above 0")
     if not args.collective_timeout > 0:
         parser.error("--collective-timeout must be above 0 seconds")
     # submitit: the launcher often runs on a login node, whose GPUs (none) say nothing of the compute nodes'.
@@ -151,11 +154,13 @@ def stop_requested(device, since):
     return stop > 0, seconds
 
 
-def train_one_epoch(model, loader, optimizer, device, start_step=0):
+def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start_step=0):
     """One pass over loader, whose sampler starts at batch start_step; returns ([sum of losses, samples] over
-    all ranks, None), or the same until the stop and the step at which all ranks stopped on SIGUSR2."""
+    all ranks, None), or the same until the stop and the step at which all ranks stopped on SIGUSR2. Every
+    log_interval steps (0: never) it prints the mean loss and the speed since the line before."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
+    logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
     check_at, every, last_check, stopped_at = start_step, 1, time.monotonic(), None
     for step, (images, labels) in enumerate(loader, start_step):
         if step == check_at:  # SLURM: each check waits for the GPU, so as many steps apart as take STOP_CHECK_SECONDS
@@ -173,6 +178,12 @@ def train_one_epoch(model, loader, optimizer, device, start_step=0):
         optimizer.step()
         totals[0] += loss.detach() * len(labels)  # stays on the device: no GPU sync per step
         totals[1] += len(labels)
+        if log_interval and (step + 1) % log_interval == 0:  # one GPU sync per progress line, none between
+            (loss_sum, samples), now = (totals - logged).tolist(), time.perf_counter()
+            # DDP: rank 0's own loss (an average over ranks would take a collective); each rank trains as many.
+            print(f"epoch {epoch + 1} step {step + 1}/{start_step + len(loader)} | loss {loss_sum / samples:.4f} "
+                  f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} samples/s", flush=True)
+            logged, logged_at = totals.clone(), now
     dist.all_reduce(totals)  # DDP: sum over ranks, so rank 0 reports the global mean loss
     return totals.tolist(), stopped_at
 
@@ -281,7 +292,8 @@ def train(args, rank, world_size, device):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
         sampler.start = start_step * args.batch_size  # SLURM: this rank's samples of the steps trained already
         start = time.perf_counter()
-        (loss_sum, samples), stopped_at = train_one_epoch(ddp_model, train_loader, optimizer, device, start_step)
+        (loss_sum, samples), stopped_at = train_one_epoch(ddp_model, train_loader, optimizer, device, epoch,
+                                                          args.log_interval if is_main else 0, start_step)
         train_time, totals = time.perf_counter() - start, [done[0] + loss_sum, done[1] + samples]
         counts = evaluate(model, test_loader, device) if stopped_at is None else None
         if counts is None:  # SLURM: stopped in training or evaluation: save where, then requeue the job

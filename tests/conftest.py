@@ -173,7 +173,8 @@ def copy(src, dst):
 
 @pytest.fixture(scope="session")
 def ladder(reference, tmp_path_factory):
-    """runs(step): one epoch with a checkpoint, then the same command with --epochs 2, which resumes."""
+    """runs(step): one epoch with a checkpoint, then the same command with --epochs 2, which resumes, and
+    with progress lines every 30 steps."""
     cache = {}
 
     def runs(step):
@@ -187,7 +188,7 @@ def ladder(reference, tmp_path_factory):
             else:
                 first = run_step(step, [*args, "--epochs", "1"], folder)
             epoch1 = copy(checkpoint, folder / "epoch1.pt")
-            second = run_step(step, [*args, "--epochs", "2"], folder)
+            second = run_step(step, [*args, "--epochs", "2", "--log-interval", "30"], folder)
             cache[step] = Namespace(first=first, second=second, epoch1=epoch1, final=checkpoint)
         return cache[step]
     return runs

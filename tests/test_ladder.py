@@ -1,5 +1,6 @@
 """Every step trains on the synthetic data (one process for 01 and 02, two Gloo ranks for 03 to 06),
 is interrupted after one epoch and resumed for a second, and all of them compute the same weights."""
+import re
 import sys
 
 import pytest
@@ -29,6 +30,26 @@ def test_step_trains_and_prints_once_per_epoch(ladder, step):
             assert sorted(launch[0] for launch in launches) == ["0", "1"], result
             assert {(launch[1], launch[5], launch[6], launch[7], launch[8]) for launch in launches} == {
                 ("2", "cpu", "gloo", launches[0][7], launches[0][8])}
+
+
+PROGRESS_LINE = re.compile(r"^epoch (\d+) step (\d+)/(\d+) \| loss ([\d.]+)( \(rank 0\))? \| (\d+) samples/s$", re.M)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_progress_lines_inside_an_epoch(ladder, step):
+    """--log-interval 30 in the resumed run's epoch 2, 94 steps of the global batch: a line at steps 30, 60 and
+    90, each once (two printing ranks would print it twice), before the epoch line, with rank 0's falling loss;
+    in the first run the default (200) prints none."""
+    runs = ladder(step)
+    lines = PROGRESS_LINE.findall(runs.second.output)
+    assert [(int(epoch), int(at), int(steps)) for epoch, at, steps, *_ in lines] == [(2, 30, 94), (2, 60, 94),
+                                                                                   (2, 90, 94)], runs.second
+    losses = [float(loss) for _, _, _, loss, *_ in lines]
+    assert losses == sorted(losses, reverse=True) and losses[0] < runs.first.epochs()[0]["loss"], losses
+    distributed = step not in ("01_single_gpu", "02_dataparallel")
+    assert all(bool(marker) == distributed and int(speed) > 0 for *_, marker, speed in lines), lines
+    assert runs.second.output.index("step 90/94") < runs.second.output.index("epoch 2/2 |")
+    assert not PROGRESS_LINE.search(runs.first.output), runs.first
 
 
 def test_checkpoint_format(ladder):
