@@ -94,3 +94,37 @@ def test_the_readme_gives_the_real_diff_sizes():
         counts.append(sum(line[:1] in "<>" for line in diff.splitlines()))
     row = re.search(r"^\| 01 -> 02 \|.*\n\|[-|]+\|\n\|([\d |]+)\|$", (REPO / "README.md").read_text(), re.M)
     assert row and [int(n) for n in row.group(1).split("|")] == counts, f"README table; the files give {counts}"
+
+
+# The generated blocks each step page must hold: its train.py against the previous step's, and its launch
+# script against the previous one (or whole, where there was none before).
+PAGE_BLOCKS = {
+    "01_single_gpu": ["file 01_single_gpu/run.sh"],
+    "02_dataparallel": ["diff 01_single_gpu/train.py 02_dataparallel/train.py",
+                        "diff 01_single_gpu/run.sh 02_dataparallel/run.sh"],
+    "03_ddp_mpspawn": ["diff 02_dataparallel/train.py 03_ddp_mpspawn/train.py",
+                       "diff 02_dataparallel/run.sh 03_ddp_mpspawn/run.sh"],
+    "04_ddp_torchrun": ["diff 03_ddp_mpspawn/train.py 04_ddp_torchrun/train.py",
+                        "diff 03_ddp_mpspawn/run.sh 04_ddp_torchrun/run.sh", "file 04_ddp_torchrun/submit.sh"],
+    "05_ddp_slurm": ["diff 04_ddp_torchrun/train.py 05_ddp_slurm/train.py",
+                     "diff 04_ddp_torchrun/submit.sh 05_ddp_slurm/submit.sh"],
+    "06_ddp_submitit": ["diff 05_ddp_slurm/train.py 06_ddp_submitit/train.py"],
+}
+
+
+def test_every_step_has_its_page_with_its_diffs():
+    import pages
+    assert sorted(PAGE_BLOCKS) == sorted(STEPS)
+    readme = (REPO / "README.md").read_text()
+    for step, blocks in PAGE_BLOCKS.items():
+        text = (REPO / step / "README.md").read_text()
+        found = [f"{kind} {' '.join(p for p in paths if p)}" for _, kind, *paths, _ in pages.BLOCK.findall(text)]
+        assert found == blocks, f"{step}/README.md holds the generated blocks {found}"
+        assert f"]({step}/README.md)" in readme, f"the README does not link {step}/README.md"
+
+
+def test_generated_blocks_match_the_files():
+    """Every generated block of every step page is what `python tests/pages.py` makes of today's files."""
+    import pages
+    stale = [str(page.relative_to(REPO)) for page in pages.pages() if pages.render(page.read_text()) != page.read_text()]
+    assert not stale, f"generated blocks out of date in {', '.join(stale)}: run `python tests/pages.py`"
