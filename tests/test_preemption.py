@@ -318,7 +318,7 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         module.STOP["requested"] = False
         (_, samples), stopped_at = module.train_one_epoch(model, DataLoader(SlowData(0, 4000), batch_size=4),
-                                                          optimizer, torch.device("cpu"))
+                                                          optimizer, torch.device("cpu"), 0, 0)
         assert stopped_at is None and samples == 4000
         assert len(checks) < 40, len(checks)  # 1000 cheap steps: a few checks, not one every 10 steps
 
@@ -327,7 +327,7 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
         timer = threading.Timer(2.0, lambda: module.STOP.update(requested=True))
         timer.start()
         requested = time.monotonic() + 2.0
-        (_, samples), stopped_at = module.train_one_epoch(model, loader, optimizer, torch.device("cpu"))
+        (_, samples), stopped_at = module.train_one_epoch(model, loader, optimizer, torch.device("cpu"), 0, 0)
         timer.cancel()
         assert stopped_at is not None and 0 < samples < 400, (stopped_at, samples)
         assert checks[-1] - requested < 0.5 + 0.25, [round(t - requested, 2) for t in checks]  # one interval + a step
