@@ -17,6 +17,7 @@ import torch
 from conftest import (REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff, read_line,
                       submitit_logs, weights)
 from test_failures import ended_or_told_to
+from test_preemption import SITECUSTOMIZE
 
 pytestmark = pytest.mark.slurm
 CLUSTER = REPO / "tests" / "slurm_cluster.sh"
@@ -409,15 +410,19 @@ def test_submitit_requeue_survives_a_slow_controller(slurm, reference, tmp_path)
     requeue` that asked for it returns; scontrol is one of them. submitit's requeue then fails, which writes
     an error result: with one task the launcher takes it for the job's end and fails while the requeued job
     trains on. A scontrol that lingers 1 s after the requeue (under the cluster's KillWait of 2 s) makes
-    that order certain here."""
-    shims = tmp_path / "bin"
+    that order certain here. The SIGTERM also reaches the data-loader worker, started by forkserver (Python
+    3.14's default), which inherits no Python handler: its death would fail the requeue just as well."""
+    shims, site = tmp_path / "bin", tmp_path / "site"
     shims.mkdir()
+    site.mkdir()
     (shims / "scontrol").write_text(f'#!/bin/bash\n{shutil.which("scontrol")} "$@"\nstatus=$?\n'
                                     '[ "$1" = requeue ] && sleep 1\nexit $status\n')
     (shims / "scontrol").chmod(0o755)
-    proc = launch_06(tmp_path / "logs", 1, 1, [*SYNTHETIC, *batch_args("01_single_gpu"), "--epochs", "2",
-                                               "--checkpoint", f"{tmp_path}/ckpt.pt"],
-                     env=dict(PATH=f"{shims}{os.pathsep}{child_env()['PATH']}"))
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    proc = launch_06(tmp_path / "logs", 1, 1, [*SYNTHETIC[:2], "--workers", "1", *batch_args("01_single_gpu"),
+                                               "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"],
+                     env=dict(PATH=f"{shims}{os.pathsep}{child_env()['PATH']}", PYTHONPATH=str(site),
+                              TEST_START_METHOD="forkserver"))
     deadline = time.monotonic() + 60
     job_id = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission").group(1)
     rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
