@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
 
 
 def parse_args():
@@ -31,7 +31,9 @@ def parse_args():
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
-    parser.add_argument("--workers", type=int, default=1, help="data-loader worker processes per process")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="data-loader worker processes per process (0: the data here is in memory, and "
+                             "batches are cut in the main process; more for data read from disk)")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
@@ -189,7 +191,9 @@ def train(args, rank, world_size, device):
     # and the epoch (set below); a few repeats pad it so that all ranks take the same number of steps.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
+    # Whole batches: one indexing of the in-memory tensors per step, not one per sample and a stack of them.
+    batches = BatchSampler(sampler, args.batch_size, drop_last=False)
+    train_loader = DataLoader(train_set, sampler=batches, batch_size=None, **loader_args)
     # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=1000, **loader_args)
 

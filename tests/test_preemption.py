@@ -29,9 +29,10 @@ if os.environ.get("TEST_START_METHOD"):
 if os.environ.get("TEST_FETCH_LOG"):
     import torch.utils.data
     fetch = torch.utils.data.TensorDataset.__getitem__
-    def logged_fetch(self, index):
+    def logged_fetch(self, index):  # one index, or a batch's list of them
         with open(os.environ["TEST_FETCH_LOG"], "a") as log:
-            log.write(f"{os.environ.get('SLURM_PROCID')} {len(self)} {index}\\n")
+            for i in index if isinstance(index, list) else [index]:
+                log.write(f"{os.environ.get('SLURM_PROCID')} {len(self)} {i}\\n")
         return fetch(self, index)
     torch.utils.data.TensorDataset.__getitem__ = logged_fetch
 if os.environ.get("TEST_SIGNAL_AT_FETCH"):  # "SIZE:N": SIGUSR2 to itself at the Nth sample of a set of SIZE
