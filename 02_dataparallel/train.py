@@ -146,7 +146,9 @@ def train(args, device):
     generator = torch.Generator()
     sampler = RandomSampler(train_set, generator=generator)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    # Whole batches: one indexing of the in-memory tensors per step, not one per sample and a stack of them.
+    # Whole batches: the dataset gets each batch's list of indices, which a TensorDataset takes in one indexing
+    # (not one call per sample and a stack). A dataset that takes one index at a time needs the usual
+    # DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args).
     batches = BatchSampler(sampler, args.batch_size, drop_last=False)
     train_loader = DataLoader(train_set, sampler=batches, batch_size=None, **loader_args)
     test_loader = DataLoader(test_set, batch_size=1000, **loader_args)

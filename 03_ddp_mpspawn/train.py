@@ -197,7 +197,9 @@ def train(args, rank, world_size, device):
     # and the epoch (set below); a few repeats pad it so that all ranks take the same number of steps.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    # Whole batches: one indexing of the in-memory tensors per step, not one per sample and a stack of them.
+    # Whole batches: the dataset gets each batch's list of indices, which a TensorDataset takes in one indexing
+    # (not one call per sample and a stack). A dataset that takes one index at a time needs the usual
+    # DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args).
     batches = BatchSampler(sampler, args.batch_size, drop_last=False)
     train_loader = DataLoader(train_set, sampler=batches, batch_size=None, **loader_args)
     # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.

@@ -265,7 +265,9 @@ def train(args, rank, world_size, device):
     # and the epoch (set below); a few repeats pad it so that all ranks take the same number of steps.
     sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    # Whole batches: one indexing of the in-memory tensors per step, not one per sample and a stack of them.
+    # Whole batches: the dataset gets each batch's list of indices, which a TensorDataset takes in one indexing
+    # (not one call per sample and a stack). A dataset that takes one index at a time needs the usual
+    # DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args).
     batches = BatchSampler(sampler, args.batch_size, drop_last=False)
     train_loader = DataLoader(train_set, sampler=batches, batch_size=None, **loader_args)
     # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.
@@ -322,8 +324,10 @@ def requeue(is_main, position):
     if is_main:
         print(f"stopped at {position} on SIGUSR2: submitit requeues the job", flush=True)
     # submitit: the requeue has Slurm send SIGTERM to the job's processes, maybe before the `scontrol requeue`
-    # that asked for it has returned (a busy controller): ignored, also by scontrol, else submitit's requeue fails.
+    # that asked for it has returned (a busy controller). Ignored, also by scontrol, else submitit's requeue
+    # fails; and the death of a data-loader worker from it must not raise here (PyTorch's SIGCHLD handler).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     STOP["submitit_handler"](signal.SIGUSR2, None)
     sys.exit(0)  # other ranks: leave without a result; the requeued job writes it
 

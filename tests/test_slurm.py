@@ -405,13 +405,14 @@ def test_submitit_requeues_after_many_timeouts(slurm, submitit_runs, reference, 
     assert "sacct error" not in err, err
 
 
-def test_submitit_requeue_survives_a_slow_controller(slurm, reference, tmp_path):
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_submitit_requeue_survives_a_slow_controller(slurm, reference, tmp_path, method):
     """A busy slurmctld can have the job's processes sent SIGTERM for the requeue before the `scontrol
     requeue` that asked for it returns; scontrol is one of them. submitit's requeue then fails, which writes
     an error result: with one task the launcher takes it for the job's end and fails while the requeued job
     trains on. A scontrol that lingers 1 s after the requeue (under the cluster's KillWait of 2 s) makes
-    that order certain here. The SIGTERM also reaches the data-loader worker, started by forkserver (Python
-    3.14's default), which inherits no Python handler: its death would fail the requeue just as well."""
+    that order certain here. The SIGTERM also kills the data-loader worker; one started by fork (Linux's
+    default before Python 3.14) is rank 0's child, and PyTorch's SIGCHLD handler would raise in the requeue."""
     shims, site = tmp_path / "bin", tmp_path / "site"
     shims.mkdir()
     site.mkdir()
@@ -422,7 +423,7 @@ def test_submitit_requeue_survives_a_slow_controller(slurm, reference, tmp_path)
     proc = launch_06(tmp_path / "logs", 1, 1, [*SYNTHETIC[:2], "--workers", "1", *batch_args("01_single_gpu"),
                                                "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"],
                      env=dict(PATH=f"{shims}{os.pathsep}{child_env()['PATH']}", PYTHONPATH=str(site),
-                              TEST_START_METHOD="forkserver"))
+                              TEST_START_METHOD=method))
     deadline = time.monotonic() + 60
     job_id = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission").group(1)
     rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
