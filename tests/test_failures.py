@@ -43,6 +43,16 @@ def finish(proc, lines, timeout):
     return Result(proc.returncode, "".join(lines) + rest, "", time.monotonic() - start_time)
 
 
+def ranks_after_epoch_1(proc, epoch_line):
+    """Reads the two ranks' launch lines and then epoch_line; returns (the lines read, {rank: pid})."""
+    lines, pids = [], {}
+    while len(pids) < 2:
+        match = read_until(proc, LAUNCH_LINE, lines)
+        pids[match.group(1)] = int(match.group(5))
+    read_until(proc, epoch_line, lines)  # training is under way
+    return lines, pids
+
+
 LAUNCHERS = {
     "03_ddp_mpspawn": ([sys.executable, "03_ddp_mpspawn/train.py", "--world-size", "2"], {}),
     "04_ddp_torchrun": (["bash", "04_ddp_torchrun/run.sh"], {"NPROC_PER_NODE": "2", "MAX_RESTARTS": "0"}),
@@ -67,11 +77,7 @@ def test_the_launcher_ends_the_run_when_a_rank_dies(step):
     within seconds the launcher must end rank 0 (or have sent it SIGTERM), and the run fails."""
     cmd, extra = LAUNCHERS[step]
     proc = start([*cmd, *SYNTHETIC, "--epochs", "50"], child_env(**extra))
-    lines, pids = [], {}
-    while len(pids) < 2:
-        match = read_until(proc, LAUNCH_LINE, lines)
-        pids[match.group(1)] = int(match.group(5))
-    read_until(proc, "epoch 1/50", lines)  # training is under way
+    lines, pids = ranks_after_epoch_1(proc, "epoch 1/50")
     os.kill(pids["0"], signal.SIGSTOP)
     os.kill(pids["1"], signal.SIGKILL)
     killed = time.monotonic()
@@ -99,11 +105,7 @@ def test_a_rank_that_stops_answering_ends_the_run_after_the_timeout(step):
     rank 0 exits, and the launcher ends rank 1 (or has sent it SIGTERM)."""
     cmd, extra = LAUNCHERS[step]
     proc = start([*cmd, *SYNTHETIC, "--epochs", "50", "--collective-timeout", str(TIMEOUT)], child_env(**extra))
-    lines, pids = [], {}
-    while len(pids) < 2:
-        match = read_until(proc, LAUNCH_LINE, lines)
-        pids[match.group(1)] = int(match.group(5))
-    read_until(proc, "epoch 1/50", lines)  # training is under way
+    lines, pids = ranks_after_epoch_1(proc, "epoch 1/50")
     os.kill(pids["1"], signal.SIGSTOP)
     stopped = time.monotonic()
     while not (ended_or_told_to(pids["0"]) and ended_or_told_to(pids["1"])) and time.monotonic() - stopped < 60:
@@ -149,11 +151,7 @@ def test_torchrun_restart_resumes_from_the_checkpoint(tmp_path, reference):
     checkpoint = tmp_path / "ckpt.pt"
     proc = start(["bash", "04_ddp_torchrun/run.sh", *SYNTHETIC, *batch_args("04_ddp_torchrun"), "--epochs", "2",
                   "--checkpoint", str(checkpoint)], child_env(NPROC_PER_NODE="2", MAX_RESTARTS="1"))
-    lines, pids = [], {}
-    while len(pids) < 2:
-        match = read_until(proc, LAUNCH_LINE, lines)
-        pids[match.group(1)] = int(match.group(5))
-    read_until(proc, "epoch 1/2", lines)
+    lines, pids = ranks_after_epoch_1(proc, "epoch 1/2")
     os.kill(pids["1"], signal.SIGKILL)
     result = finish(proc, lines, timeout=90)
     assert result.returncode == 0, result
