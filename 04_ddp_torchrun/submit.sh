@@ -78,7 +78,7 @@ echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODE
 # same checkpoint, and resumes after the last epoch that ended. A job that reaches its time limit just
 # ends: submit again, passing its checkpoint as --checkpoint. 05_ddp_slurm/submit.sh saves in the middle
 # of an epoch and requeues itself before the limit.
-# srun -c: since Slurm 22.05 srun no longer takes --cpus-per-task from sbatch. --kill-on-bad-exit: when
+# srun -c: Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun. --kill-on-bad-exit: when
 # one torchrun fails (its restarts used up), srun ends the others instead of leaving them waiting.
 # --max-restarts: when a process fails, torchrun restarts them all on every node; they resume from
 # --checkpoint, fixed per job. Pass --checkpoint to choose it.

@@ -50,7 +50,7 @@ export OMP_NUM_THREADS=$((CPUS - WORKERS))
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks," \
   "master $MASTER_ADDR:$MASTER_PORT"
-# srun -c: since Slurm 22.05 srun no longer takes --cpus-per-task from sbatch, and where tasks are bound to
+# srun -c: Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun, and where tasks are bound to
 # cores each would get one. --kill-on-bad-exit: when one task fails, srun ends the others instead of
 # leaving them waiting for it. The checkpoint path is fixed per job, so a requeued job (same id) resumes;
 # pass --checkpoint to choose it.

@@ -369,8 +369,8 @@ def main():
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min, slurm_partition=args.partition,
                                slurm_signal_delay_s=120,
-                               # submitit: its srun does not pass --cpus-per-task on, which Slurm 22.05 and
-                               # later no longer do by themselves: where tasks are bound, each gets one core.
+                               # submitit: its srun does not pass --cpus-per-task on, which Slurm 22.05 to
+                               # 23.02 do not do by themselves: where tasks are bound, each gets one core.
                                slurm_srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={args.cpus_per_task}"],
                                slurm_setup=[f"export OMP_NUM_THREADS={args.cpus_per_task - args.cpus_per_task // 2}"])
     job = executor.submit(Trainer(), args)

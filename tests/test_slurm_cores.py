@@ -1,7 +1,7 @@
 """Each task gets the cores it asked for, and its threads plus its data-loader workers fit in them, on the
 two-node cluster with CPU binding on (task/affinity), for 04's and 05's submit.sh and 06's generated job.
 
-Slurm 22.05 (Debian 12's) is the version where srun stopped taking --cpus-per-task from sbatch, so the
+Slurm 22.05 (Debian 12's) is the first version whose srun does not take --cpus-per-task from sbatch, so the
 scripts pass it again. With two cores a node this cluster cannot show the difference (one task a node gets
 the node's cores with or without it), but it shows the split: the old scripts ran OMP_NUM_THREADS=2 plus
 the workers on two cores. A sitecustomize on PYTHONPATH
@@ -57,7 +57,7 @@ def check(trainers, count, workers_per_loader, log):
     print(f"training processes (host, cores, OMP_NUM_THREADS, workers): {summary}")
     assert len(trainers) == count and {t["host"] for t in trainers} == {"n1", "n2"}, (summary, log)
     for trainer in trainers:
-        assert len(trainer["cores"]) == CPUS, (summary, log)  # srun passed the task's cores on
+        assert len(trainer["cores"]) == CPUS, (summary, log)  # the task's cores (here also without srun -c)
         assert len(trainer["workers"]) == 2 * workers_per_loader, (summary, log)
         assert int(trainer["omp"]) + workers_per_loader == CPUS, (summary, log)  # nothing runs on top
         assert all(worker["cores"] == trainer["cores"] for worker in trainer["workers"]), (summary, log)
