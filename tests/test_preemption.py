@@ -166,11 +166,15 @@ def test_05_preemption_with_any_worker_start_method(cluster_env, ladder, referen
     assert (saved["epoch"], saved["step"], saved["world_size"], saved["batch_size"]) == (1, step, 2, 32)
 
     fetch_log = tmp_path / "fetches.log"
-    procs = start_05([*TRAIN_05, "--workers", "2", "--epochs", "2", "--checkpoint", str(checkpoint)],
+    procs = start_05([*TRAIN_05, "--workers", "2", "--epochs", "2", "--checkpoint", str(checkpoint),
+                      "--log-interval", "30"],
                      lambda **kw: cluster_env(TEST_START_METHOD=method, TEST_FETCH_LOG=str(fetch_log), **kw))
     codes, output = finish_all(procs)
     assert codes == [0, 0], output
     assert f"resumed from {checkpoint} after epoch 1 step {step}" in output, output
+    # Progress lines count the epoch's steps, not the resumed run's: at 30, 60, 90 of 94 past the stop.
+    progress = re.findall(r"^epoch 2 step (\d+)/(\d+) \|", output, re.M)
+    assert progress == [(str(n), "94") for n in (30, 60, 90) if n > step], (step, output)
     assert output.count("epoch 2/2 |") == 1 and "epoch 1/2 |" not in output, output
     # Each rank's share of epoch 2 is 3000 samples; the resumed run fetches only those after the stop.
     fetched = [line.split() for line in fetch_log.read_text().splitlines()]
