@@ -15,28 +15,32 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description="Train a small CNN on MNIST.")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
+    parser.add_argument("--test-batch-size", type=int, default=1000,
+                        help="samples per evaluation step in each process (no gradients: more fit than when training)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int, default=0,
-                        help="data-loader worker processes per process (0: the data here is in memory, and "
-                             "batches are cut in the main process; more for data read from disk)")
+                        help="data-loader worker processes per process (0: this process fetches the samples, "
+                             "which suits data in memory; more for data read from disk or decoded per sample)")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
     args = parser.parse_args()
-    if args.epochs < 1 or args.batch_size < 1 or min(args.workers, args.log_interval) < 0 or not args.lr > 0:
-        parser.error("--epochs and --batch-size must be at least 1, --workers and --log-interval at least 0, "
-                     "--lr above 0")
+    if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
+        parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
+                     "at least 0")
+    if not args.lr > 0:
+        parser.error("--lr must be above 0")
     return args
 
 
@@ -53,13 +57,15 @@ def download_mnist(data_dir):
 
 
 def load_datasets(args):
-    """Returns (train, test) as in-memory tensors: decoded and normalised once, not per sample."""
+    """Returns (train, test): datasets that take one index and return one (image, label), as torchvision's do.
+    These two are decoded and normalised into memory once; yours may read each sample from disk instead."""
     if args.dataset == "synthetic":  # each class is a fixed random pattern under noise, the same everywhere
         generator = torch.Generator().manual_seed(1234)
         patterns = torch.randn(10, 1, 28, 28, generator=generator)
         labels = torch.randint(0, 10, (8_000,), generator=generator)
         images = patterns[labels] + torch.randn(len(labels), 1, 28, 28, generator=generator)
         return TensorDataset(images[:6_000], labels[:6_000]), TensorDataset(images[6_000:], labels[6_000:])
+    download_mnist(args.data_dir)
     from torchvision import datasets
     splits = [datasets.MNIST(args.data_dir, train=train) for train in (True, False)]
     return [TensorDataset((s.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, s.targets) for s in splits]
@@ -130,39 +136,42 @@ def save_checkpoint(path, model, optimizer, epoch):
 
 
 def load_checkpoint(path, model, optimizer):
-    """Restore model and optimizer from path if it exists; returns the checkpoint, or None."""
-    state = torch.load(path, map_location="cpu") if os.path.exists(path) else None
-    if state is not None:
-        model.load_state_dict(state["model"])  # onto this process's device, whatever the saver's was
-        optimizer.load_state_dict(state["optimizer"])
+    """Restore model and optimizer from path if it exists; returns where it left off ({"epoch": ...}), or None.
+    The file is mapped, not read into memory: its tensors are copied once, into the model and the optimizer
+    on this process's device, and nothing else of it is kept."""
+    if not os.path.exists(path):
+        return None
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
+    optimizer.load_state_dict(state.pop("optimizer"))
     return state
 
 
 def train(args, device):
-    if args.dataset == "mnist":
-        download_mnist(args.data_dir)
     train_set, test_set = load_datasets(args)
     # The order depends only on --seed and the epoch (reseeded below), so a resumed run sees the same batches.
     generator = torch.Generator()
     sampler = RandomSampler(train_set, generator=generator)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    # Whole batches: the dataset gets each batch's list of indices, which a TensorDataset takes in one indexing
-    # (not one call per sample and a stack). A dataset that takes one index at a time needs the usual
-    # DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args).
-    batches = BatchSampler(sampler, args.batch_size, drop_last=False)
-    train_loader = DataLoader(train_set, sampler=batches, batch_size=None, **loader_args)
-    test_loader = DataLoader(test_set, batch_size=1000, **loader_args)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
+    test_loader = DataLoader(test_set, batch_size=args.test_batch_size, **loader_args)
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    checkpoint = load_checkpoint(args.checkpoint, model, optimizer) if args.checkpoint else None
-    start_epoch = checkpoint["epoch"] if checkpoint else 0
-    if checkpoint:
+    position = load_checkpoint(args.checkpoint, model, optimizer) if args.checkpoint else None
+    start_epoch = position["epoch"] if position else 0
+    if position and position.get("step"):  # saved inside an epoch by 05 or 06, which go on from that step
+        sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1}; resume it with the step that wrote "
+                 "it (05 or 06), or start from a checkpoint saved at the end of an epoch")
+    if position:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
 
     for epoch in range(start_epoch, args.epochs):
         generator.manual_seed(args.seed + epoch)
+        # Random numbers (augmentations, dropout, the seeds of data-loader workers as they start) depend only on
+        # --seed and the epoch: hash() of ints is the same in every run.
+        torch.manual_seed(hash((args.seed, epoch)))
         start = time.perf_counter()
         loss, samples = train_one_epoch(model, train_loader, optimizer, device, epoch, args.log_interval)
         train_time = time.perf_counter() - start

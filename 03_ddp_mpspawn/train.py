@@ -21,21 +21,23 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description="Train a small CNN on MNIST.")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
+    parser.add_argument("--test-batch-size", type=int, default=1000,
+                        help="samples per evaluation step in each process (no gradients: more fit than when training)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int, default=0,
-                        help="data-loader worker processes per process (0: the data here is in memory, and "
-                             "batches are cut in the main process; more for data read from disk)")
+                        help="data-loader worker processes per process (0: this process fetches the samples, "
+                             "which suits data in memory; more for data read from disk or decoded per sample)")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
@@ -47,9 +49,11 @@ def parse_args():
     args = parser.parse_args()
     if args.world_size < 1 or (torch.cuda.is_available() and args.world_size > torch.cuda.device_count()):
         parser.error("--world-size must be at least 1, and with GPUs at most the number of GPUs")
-    if args.epochs < 1 or args.batch_size < 1 or min(args.workers, args.log_interval) < 0 or not args.lr > 0:
-        parser.error("--epochs and --batch-size must be at least 1, --workers and --log-interval at least 0, "
-                     "--lr above 0")
+    if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
+        parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
+                     "at least 0")
+    if not args.lr > 0:
+        parser.error("--lr must be above 0")
     if not args.collective_timeout > 0:
         parser.error("--collective-timeout must be above 0 seconds")
     return args
@@ -68,13 +72,15 @@ def download_mnist(data_dir):
 
 
 def load_datasets(args):
-    """Returns (train, test) as in-memory tensors: decoded and normalised once, not per sample."""
+    """Returns (train, test): datasets that take one index and return one (image, label), as torchvision's do.
+    These two are decoded and normalised into memory once; yours may read each sample from disk instead."""
     if args.dataset == "synthetic":  # each class is a fixed random pattern under noise, the same everywhere
         generator = torch.Generator().manual_seed(1234)
         patterns = torch.randn(10, 1, 28, 28, generator=generator)
         labels = torch.randint(0, 10, (8_000,), generator=generator)
         images = patterns[labels] + torch.randn(len(labels), 1, 28, 28, generator=generator)
         return TensorDataset(images[:6_000], labels[:6_000]), TensorDataset(images[6_000:], labels[6_000:])
+    download_mnist(args.data_dir)
     from torchvision import datasets
     splits = [datasets.MNIST(args.data_dir, train=train) for train in (True, False)]
     return [TensorDataset((s.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, s.targets) for s in splits]
@@ -148,16 +154,25 @@ def save_checkpoint(path, model, optimizer, epoch):
 
 
 def load_checkpoint(path, model, optimizer, group):
-    """Restore model and optimizer from path if it exists; returns the checkpoint, or None. DDP: rank 0 alone
-    looks for path and reads it, and every rank loads what it read: all resume from one state, even where a
-    node's view of shared storage lags behind. The others wait for rank 0's read in group."""
-    state = [torch.load(path, map_location="cpu") if dist.get_rank() == 0 and os.path.exists(path) else None]
-    dist.broadcast_object_list(state, group=group)  # DDP: rank 0's object, pickled, to all (on the CPU, in Gloo)
-    state = state[0]
+    """Restore model and optimizer from path if it exists; returns where it left off ({"epoch": ...}), or None.
+    The file is mapped, not read into memory: its tensors are copied once, into the model and the optimizer
+    on this process's device, and nothing else of it is kept. DDP: every rank maps the file itself (the ranks
+    of a node share its pages), and rank 0's view decides: a rank that sees no file or another one (its node's
+    view of shared storage lags behind) stops every rank with one line, rather than train from another state."""
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if os.path.exists(path) else None
+    position = state and {key: value for key, value in state.items() if key not in ("model", "optimizer")}
+    rank0s = [position]
+    dist.broadcast_object_list(rank0s, group=group)  # DDP: rank 0's position (a few numbers) to every rank
+    differ = torch.tensor([position != rank0s[0]])
+    dist.all_reduce(differ, group=group)  # DDP: how many ranks see another checkpoint than rank 0
+    if differ:
+        where = lambda p: f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file"  # noqa: E731
+        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {where(position)} at {path}, rank 0 "
+                 f"{where(rank0s[0])}: start again once every node sees rank 0's file" if position != rank0s[0] else 1)
     if state is not None:
-        model.load_state_dict(state["model"])  # onto this process's device, whatever the saver's was
-        optimizer.load_state_dict(state["optimizer"])
-    return state
+        model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
+        optimizer.load_state_dict(state.pop("optimizer"))
+    return position
 
 
 def setup(rank, local_rank, world_size, timeout, store=None):
@@ -186,37 +201,41 @@ def setup(rank, local_rank, world_size, timeout, store=None):
 
 def train(args, rank, world_size, device):
     is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
-    # DDP: while rank 0 alone works (download, reading or writing a checkpoint) the others wait in this group,
+    # DDP: while rank 0 alone works (download, writing a checkpoint) the others wait in this group,
     # which allows at least an hour, as that work can outlast --collective-timeout. Gloo: on the CPU, no GPU memory.
     rank0_work = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, args.collective_timeout)))
-    if args.dataset == "mnist" and is_main:
-        download_mnist(args.data_dir)
-    dist.barrier(group=rank0_work)  # DDP: the other ranks read MNIST only once rank 0 has it
+    if not is_main:  # DDP: rank 0 loads the data first, downloading what is missing; the others once it has
+        dist.barrier(group=rank0_work)
     train_set, test_set = load_datasets(args)
+    if is_main:
+        dist.barrier(group=rank0_work)
     # DDP: each rank takes every world_size-th index of the epoch's order, which depends only on --seed
     # and the epoch (set below); a few repeats pad it so that all ranks take the same number of steps.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    # Whole batches: the dataset gets each batch's list of indices, which a TensorDataset takes in one indexing
-    # (not one call per sample and a stack). A dataset that takes one index at a time needs the usual
-    # DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args).
-    batches = BatchSampler(sampler, args.batch_size, drop_last=False)
-    train_loader = DataLoader(train_set, sampler=batches, batch_size=None, **loader_args)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
     # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.
-    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=1000, **loader_args)
+    test_subset = Subset(test_set, range(rank, len(test_set), world_size))
+    test_loader = DataLoader(test_subset, batch_size=args.test_batch_size, **loader_args)
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    checkpoint = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
-    start_epoch = checkpoint["epoch"] if checkpoint else 0
-    if checkpoint and is_main:
+    position = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
+    start_epoch = position["epoch"] if position else 0
+    if position and position.get("step"):  # saved inside an epoch by 05 or 06, which go on from that step
+        sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1}; resume it with the step that wrote "
+                 "it (05 or 06), or start from a checkpoint saved at the end of an epoch" if is_main else 1)
+    if position and is_main:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
+        # Random numbers (augmentations, dropout, the seeds of data-loader workers as they start) depend only on
+        # --seed and the epoch: hash() of ints is the same in every run.
+        torch.manual_seed(hash((args.seed, epoch, rank)))  # DDP: and differ from rank to rank
         start = time.perf_counter()
         loss, samples = train_one_epoch(ddp_model, train_loader, optimizer, device, epoch,
                                         args.log_interval if is_main else 0)
@@ -252,7 +271,7 @@ def main():
     try:
         mp.spawn(run, args=(args,), nprocs=args.world_size)  # returns when all have finished
     except mp.ProcessExitedException as error:  # a rank exited (its error is printed above) or was killed
-        sys.exit(f"error: {error}")
+        sys.exit(f"error: {error}" if error.signal_name else error.exit_code)
 
 
 if __name__ == "__main__":

@@ -33,12 +33,19 @@ fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
 ((NPROC_PER_NODE > 0)) || NPROC_PER_NODE=2
 # The task's cores are shared by its processes, and each process's share is split so that nothing runs on
-# top of anything else: half for data-loader workers (one core each), the rest for its threads. 32 cores
-# and 4 processes: 4 workers and 4 threads each. Fewer cores than processes: one thread each, no workers.
+# top of anything else: data-loader workers (one core each) and its threads. Half are workers (32 cores and
+# 4 processes: 4 workers and 4 threads each; fewer cores than processes: none), or as many as --workers N
+# after the script says, and the threads get the rest (at least one).
 CPUS=${SLURM_CPUS_PER_TASK:-1}
 CORES=$((CPUS / NPROC_PER_NODE > 0 ? CPUS / NPROC_PER_NODE : 1))
 WORKERS=$((CORES / 2))
-export OMP_NUM_THREADS=$((CORES - WORKERS))
+previous=""
+for arg in "$@"; do
+  [[ $previous == --workers ]] && WORKERS=$arg
+  [[ $arg == --workers=* ]] && WORKERS=${arg#*=}
+  previous=$arg
+done
+export OMP_NUM_THREADS=$((CORES > WORKERS ? CORES - WORKERS : 1))
 
 # c10d rendezvous: the torchrun on the job's first node hosts it, the others connect, and it gives out
 # the node ranks, so every node runs the same command line and nothing is expanded per node.

@@ -11,8 +11,8 @@
 #SBATCH --gpus-per-node=4           # GPUs per machine; task N of a machine takes its GPU N
 #SBATCH --cpus-per-task=8           # cores per process: its threads and its data-loader workers
 #SBATCH --time=01:00:00             # wall-clock limit
-#SBATCH --signal=USR2@120           # SIGUSR2 to every task 120 s before the limit: checkpoint and requeue
-#SBATCH --requeue                   # the job may go back to the queue (after the signal, or when preempted)
+#SBATCH --signal=USR2@120           # SIGUSR2 to every task 120 s before the limit: save, and requeue (below)
+#SBATCH --requeue                   # the job may go back to the queue (after a stop, when preempted, a node fails)
 #SBATCH --open-mode=append          # a requeued job appends to its log instead of overwriting it
 #SBATCH --output=%x-%j.out          # one log per job (stdout and stderr): job name and job id
 set -euo pipefail
@@ -42,17 +42,37 @@ for port in (20000 + (job + i) % 12000 for i in range(12000)):
     break
 ')}
 export MASTER_ADDR MASTER_PORT
-# The task's cores, split so that nothing runs on top of anything else: half for data-loader workers
-# (one core each), the rest for the main process's threads. 8 cores: 4 workers and 4 threads; 1: no workers.
+# The task's cores, split so that nothing runs on top of anything else: data-loader workers (one core each)
+# and the main process's threads. Half are workers (8 cores: 4 workers, 4 threads; 1: none), or as many as
+# --workers N after the script says, and the threads get the rest (at least one).
 CPUS=${SLURM_CPUS_PER_TASK:-1}
 WORKERS=$((CPUS / 2))
-export OMP_NUM_THREADS=$((CPUS - WORKERS))
+previous=""
+for arg in "$@"; do
+  [[ $previous == --workers ]] && WORKERS=$arg
+  [[ $arg == --workers=* ]] && WORKERS=${arg#*=}
+  previous=$arg
+done
+export OMP_NUM_THREADS=$((CPUS > WORKERS ? CPUS - WORKERS : 1))
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks," \
   "master $MASTER_ADDR:$MASTER_PORT"
 # srun -c: Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun, and where tasks are bound to
 # cores each would get one. --kill-on-bad-exit: when one task fails, srun ends the others instead of
 # leaving them waiting for it. The checkpoint path is fixed per job, so a requeued job (same id) resumes;
-# pass --checkpoint to choose it.
+# pass --checkpoint to choose it. Slurm signals every process of the tasks: start python itself (or exec it),
+# not under a wrapper (bash -c, time, numactl) that would die of the signal.
+status=0
 srun --kill-on-bad-exit=1 --cpus-per-task="$CPUS" "$PYTHON" -u "$TRAIN_PY" --workers "$WORKERS" \
-  --checkpoint "checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID.pt" "$@"
+  --checkpoint "checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID.pt" "$@" || status=$?
+# The tasks stopped on a signal and rank 0 saved where (144): SIGUSR2 before the time limit, or SIGTERM from a
+# preemption, which Slurm sends to the tasks alone and which ends the job for good once it leaves by itself. So
+# this script, on the host, puts it back in the queue (train.py runs no Slurm command: in a container it may
+# have none), and it starts again under the same id and resumes. A scancel sends SIGTERM to this script too,
+# which ends it at once: a cancelled job stays cancelled, its tasks still save, and a new job resumes with
+# --checkpoint checkpoints/ddp-slurm-JOBID.pt.
+if ((status == 144)); then
+  echo "job $SLURM_JOB_ID: its tasks stopped and saved: requeueing it"
+  exec scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"

@@ -8,10 +8,10 @@ time limit Slurm sends SIGUSR2: all ranks stop at the same step, rank 0 saves th
 epoch and requeues the job, and the requeued job resumes at that step.
 """
 import argparse
+import multiprocessing.resource_tracker
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -21,33 +21,40 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description="Train a small CNN on MNIST.")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
+    parser.add_argument("--test-batch-size", type=int, default=1000,
+                        help="samples per evaluation step in each process (no gradients: more fit than when training)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int, default=0,
-                        help="data-loader worker processes per process (0: the data here is in memory, and "
-                             "batches are cut in the main process; more for data read from disk)")
+                        help="data-loader worker processes per process (0: this process fetches the samples, "
+                             "which suits data in memory; more for data read from disk or decoded per sample)")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
+    parser.add_argument("--save-every", type=float, default=30, metavar="MINUTES",
+                        help="also save inside an epoch this often (0: only at its end and on a stop signal), so "
+                             "that a job killed without a warning (a node fails, out of memory) loses at most this")
     parser.add_argument("--collective-timeout", type=float, default=600,
                         help="seconds a collective waits for every rank: a rank that stops answering ends the run "
                              "after this long (rank 0's download and checkpoints get at least an hour)")
     args = parser.parse_args()
-    if args.epochs < 1 or args.batch_size < 1 or min(args.workers, args.log_interval) < 0 or not args.lr > 0:
-        parser.error("--epochs and --batch-size must be at least 1, --workers and --log-interval at least 0, "
-                     "--lr above 0")
-    if not args.collective_timeout > 0:
-        parser.error("--collective-timeout must be above 0 seconds")
+    if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
+        parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
+                     "at least 0")
+    if not args.lr > 0:
+        parser.error("--lr must be above 0")
+    if not args.collective_timeout > 0 or args.save_every < 0:
+        parser.error("--collective-timeout must be above 0 seconds and --save-every at least 0")
     return args
 
 
@@ -64,13 +71,15 @@ def download_mnist(data_dir):
 
 
 def load_datasets(args):
-    """Returns (train, test) as in-memory tensors: decoded and normalised once, not per sample."""
+    """Returns (train, test): datasets that take one index and return one (image, label), as torchvision's do.
+    These two are decoded and normalised into memory once; yours may read each sample from disk instead."""
     if args.dataset == "synthetic":  # each class is a fixed random pattern under noise, the same everywhere
         generator = torch.Generator().manual_seed(1234)
         patterns = torch.randn(10, 1, 28, 28, generator=generator)
         labels = torch.randint(0, 10, (8_000,), generator=generator)
         images = patterns[labels] + torch.randn(len(labels), 1, 28, 28, generator=generator)
         return TensorDataset(images[:6_000], labels[:6_000]), TensorDataset(images[6_000:], labels[6_000:])
+    download_mnist(args.data_dir)
     from torchvision import datasets
     splits = [datasets.MNIST(args.data_dir, train=train) for train in (True, False)]
     return [TensorDataset((s.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, s.targets) for s in splits]
@@ -108,36 +117,42 @@ class ResumableSampler(DistributedSampler):
         return max(0, super().__len__() - self.start)
 
 
-STOP = {"requested": False}  # SLURM: set by the SIGUSR2 handler
-STOP_CHECK_SECONDS = 10  # SLURM: the ranks agree on stopping about this often; the warning comes 120 s ahead
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # SLURM: the time-limit warning; preemption and scancel
+STOP = {}  # SLURM: {"signal": the first stop signal this process has had}, set by the handler
+STOP_CHECK_SECONDS = 2  # SLURM: the ranks agree on stopping about this often (a collective that waits for the GPU)
+STOP_LEAD_SECONDS = 120  # SLURM: the warning's lead in submit.sh (--signal=USR2@120); a stop must take well under it
+STOPPED = 144  # SLURM: the exit code of a run that saved and stopped on a signal: submit.sh requeues it (06 too)
 
 
 def signalled():
-    """SLURM: whether this process has had SIGUSR2: through the handler, or pending where it is blocked."""
-    return STOP["requested"] or signal.SIGUSR2 in signal.sigpending()
+    """SLURM: the stop signal this process has had (through the handler, or pending where it is blocked), or 0."""
+    return STOP.get("signal") or max(signal.sigpending() & set(STOP_SIGNALS), default=0)
 
 
-def stop_requested(device, since):
-    """SLURM: a collective; returns (True on every rank once any rank has had the signal, the slowest rank's
-    seconds since `since`), so that all ranks stop at the same step and plan the next check alike."""
-    state = torch.tensor([float(signalled()), time.monotonic() - since], device=device)
+def stop_requested(device, since, started):
+    """SLURM: a collective; returns (the stop signal any rank has had, else 0; the slowest rank's seconds since
+    `since`, and since `started`), the same on every rank, so that all stop (or save) at the same step and plan
+    the next check alike."""
+    state = torch.tensor([float(signalled()), time.monotonic() - since, time.monotonic() - started], device=device)
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
-    stop, seconds = state.tolist()
-    return stop > 0, seconds
+    signum, seconds, running = state.tolist()
+    return int(signum), seconds, running
 
 
-def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start_step=0):
+def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start_step=0, save_every=0):
     """One pass over loader, whose sampler starts at batch start_step; returns ([sum of losses, samples] over
-    all ranks, None), or the same until the stop and the step at which all ranks stopped on SIGUSR2. Every
-    log_interval steps (0: never) it prints the mean loss and the speed since the line before."""
+    all ranks, None, 0), or the same until the step at which all ranks stopped: for a save, save_every seconds
+    after the start (0: never), or on a stop signal, which comes last. Every log_interval steps (0: never) it
+    prints the mean loss and the speed since the line before."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
     logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
-    check_at, every, last_check, stopped_at = start_step, 1, time.monotonic(), None
+    check_at, every, started, stopped_at, signum = start_step, 1, time.monotonic(), None, 0
+    last_check = started
     for step, (images, labels) in enumerate(loader, start_step):
         if step == check_at:  # SLURM: each check waits for the GPU, so as many steps apart as take STOP_CHECK_SECONDS
-            stop, seconds = stop_requested(device, last_check)
-            if stop:
+            signum, seconds, running = stop_requested(device, last_check, started)
+            if signum or 0 < save_every <= running:
                 stopped_at = step
                 break
             step_seconds = seconds / every  # on the slowest rank: the same number on every rank
@@ -157,12 +172,12 @@ def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start
                   f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} samples/s", flush=True)
             logged, logged_at = totals.clone(), now
     dist.all_reduce(totals)  # DDP: sum over ranks, so rank 0 reports the global mean loss
-    return totals.tolist(), stopped_at
+    return totals.tolist(), stopped_at, signum
 
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Returns [correct, total] over loader, or None on every rank when a rank had SIGUSR2 before the end."""
+    """Returns [correct, total] over loader, or None on every rank when a rank had a stop signal before the end."""
     model.eval()
     counts = torch.zeros(3, dtype=torch.int64, device=device)  # [correct, total, ranks that stopped early]
     for images, labels in loader:
@@ -188,16 +203,25 @@ def save_checkpoint(path, model, optimizer, epoch, **position):
 
 
 def load_checkpoint(path, model, optimizer, group):
-    """Restore model and optimizer from path if it exists; returns the checkpoint, or None. DDP: rank 0 alone
-    looks for path and reads it, and every rank loads what it read: all resume from one state, even where a
-    node's view of shared storage lags behind. The others wait for rank 0's read in group."""
-    state = [torch.load(path, map_location="cpu") if dist.get_rank() == 0 and os.path.exists(path) else None]
-    dist.broadcast_object_list(state, group=group)  # DDP: rank 0's object, pickled, to all (on the CPU, in Gloo)
-    state = state[0]
+    """Restore model and optimizer from path if it exists; returns where it left off ({"epoch": ...}), or None.
+    The file is mapped, not read into memory: its tensors are copied once, into the model and the optimizer
+    on this process's device, and nothing else of it is kept. DDP: every rank maps the file itself (the ranks
+    of a node share its pages), and rank 0's view decides: a rank that sees no file or another one (its node's
+    view of shared storage lags behind) stops every rank with one line, rather than train from another state."""
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if os.path.exists(path) else None
+    position = state and {key: value for key, value in state.items() if key not in ("model", "optimizer")}
+    rank0s = [position]
+    dist.broadcast_object_list(rank0s, group=group)  # DDP: rank 0's position (a few numbers) to every rank
+    differ = torch.tensor([position != rank0s[0]])
+    dist.all_reduce(differ, group=group)  # DDP: how many ranks see another checkpoint than rank 0
+    if differ:
+        where = lambda p: f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file"  # noqa: E731
+        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {where(position)} at {path}, rank 0 "
+                 f"{where(rank0s[0])}: start again once every node sees rank 0's file" if position != rank0s[0] else 1)
     if state is not None:
-        model.load_state_dict(state["model"])  # onto this process's device, whatever the saver's was
-        optimizer.load_state_dict(state["optimizer"])
-    return state
+        model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
+        optimizer.load_state_dict(state.pop("optimizer"))
+    return position
 
 
 def setup(rank, local_rank, world_size, timeout, store=None):
@@ -226,62 +250,83 @@ def setup(rank, local_rank, world_size, timeout, store=None):
 
 def train(args, rank, world_size, device):
     is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
-    # DDP: while rank 0 alone works (download, reading or writing a checkpoint) the others wait in this group,
+    # DDP: while rank 0 alone works (download, writing a checkpoint) the others wait in this group,
     # which allows at least an hour, as that work can outlast --collective-timeout. Gloo: on the CPU, no GPU memory.
     rank0_work = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, args.collective_timeout)))
-    if args.dataset == "mnist" and is_main:
-        download_mnist(args.data_dir)
-    dist.barrier(group=rank0_work)  # DDP: the other ranks read MNIST only once rank 0 has it
+    if not is_main:  # DDP: rank 0 loads the data first, downloading what is missing; the others once it has
+        dist.barrier(group=rank0_work)
     train_set, test_set = load_datasets(args)
+    if is_main:
+        dist.barrier(group=rank0_work)
     # DDP: each rank takes every world_size-th index of the epoch's order, which depends only on --seed
     # and the epoch (set below); a few repeats pad it so that all ranks take the same number of steps.
     sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    # Whole batches: the dataset gets each batch's list of indices, which a TensorDataset takes in one indexing
-    # (not one call per sample and a stack). A dataset that takes one index at a time needs the usual
-    # DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args).
-    batches = BatchSampler(sampler, args.batch_size, drop_last=False)
-    train_loader = DataLoader(train_set, sampler=batches, batch_size=None, **loader_args)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
     # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.
-    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=1000, **loader_args)
+    test_subset = Subset(test_set, range(rank, len(test_set), world_size))
+    test_loader = DataLoader(test_subset, batch_size=args.test_batch_size, **loader_args)
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    checkpoint = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
-    start_epoch = checkpoint["epoch"] if checkpoint else 0
+    position = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
+    start_epoch = position["epoch"] if position else 0
     # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then. The step
-    # means the same samples under any layout of the same global batch: the epoch's order is split by rank.
+    # means the same samples under any layout of the same global batch, --seed and training set: the epoch's
+    # order depends only on the seed and the set's size, and is split by rank.
     start_step, done = 0, [0, 0]
-    if checkpoint and checkpoint.get("step"):
-        start_step, done = checkpoint["step"], checkpoint["totals"]
-        if checkpoint["world_size"] * checkpoint["batch_size"] != world_size * args.batch_size:
-            sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1} with {checkpoint['world_size']} "
-                     f"processes x {checkpoint['batch_size']} samples per step; resume it with that global batch "
-                     f"(now {world_size} x {args.batch_size}) or from an end-of-epoch checkpoint" if is_main else 1)
-    if checkpoint and is_main:
+    if position and position.get("step"):
+        start_step, done = position["step"], position["totals"]
+        saved = (position["world_size"] * position["batch_size"], position["seed"], position["samples"])
+        if saved != (world_size * args.batch_size, args.seed, len(train_set)):
+            sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1} with {position['world_size']} "
+                     f"processes x {position['batch_size']} samples per step, --seed {position['seed']} and "
+                     f"{position['samples']} training samples; resume it with the same global batch, seed and data "
+                     f"(now {world_size} x {args.batch_size}, {args.seed}, {len(train_set)}) or from an end-of-epoch "
+                     "checkpoint" if is_main else 1)
+    if position and is_main:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch} step {start_step}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
+    def save_position(epoch, step):  # SLURM: the model after `step` steps of `epoch`, and what they mean
+        if args.checkpoint and is_main:
+            save_checkpoint(args.checkpoint, model, optimizer, epoch, step=step, world_size=world_size,
+                            batch_size=args.batch_size, seed=args.seed, samples=len(train_set), totals=done)
+        dist.barrier(group=rank0_work)
+
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
-        sampler.start = start_step * args.batch_size  # SLURM: this rank's samples of the steps trained already
-        start = time.perf_counter()
-        (loss_sum, samples), stopped_at = train_one_epoch(ddp_model, train_loader, optimizer, device, epoch,
-                                                          args.log_interval if is_main else 0, start_step)
-        train_time, totals = time.perf_counter() - start, [done[0] + loss_sum, done[1] + samples]
-        counts = evaluate(model, test_loader, device) if stopped_at is None else None
-        if counts is None:  # SLURM: stopped in training or evaluation: save where, then requeue the job
-            stopped_at = start_step + len(train_loader) if stopped_at is None else stopped_at
-            if args.checkpoint and is_main:
-                save_checkpoint(args.checkpoint, model, optimizer, epoch, step=stopped_at, world_size=world_size,
-                                batch_size=args.batch_size, totals=totals)
-            dist.barrier(group=rank0_work)
-            note = "" if args.checkpoint else " (no --checkpoint: the job will start over)"
-            return requeue(is_main, f"epoch {epoch + 1} step {stopped_at}{note}")
+        # Random numbers (augmentations, dropout, the seeds of data-loader workers as they start) depend only on
+        # --seed and the epoch: hash() of ints is the same in every run.
+        torch.manual_seed(hash((args.seed, epoch, rank)))  # DDP: and differ from rank to rank
+        start, train_time, samples = time.perf_counter(), 0, 0
+        while True:  # SLURM: the rest of the epoch, or up to a save (--save-every) or a stop signal
+            sampler.start = start_step * args.batch_size  # SLURM: this rank's samples of the steps trained already
+            began = time.perf_counter()
+            (loss_sum, trained), stopped_at, signum = train_one_epoch(
+                ddp_model, train_loader, optimizer, device, epoch, args.log_interval if is_main else 0, start_step,
+                60 * args.save_every)
+            train_time, samples = train_time + time.perf_counter() - began, samples + trained
+            done = [done[0] + loss_sum, done[1] + trained]
+            if stopped_at is None:
+                break
+            stopping = time.perf_counter()
+            save_position(epoch, stopped_at)
+            if signum:
+                return report_stop(is_main, args.checkpoint, epoch, stopped_at, signum, time.perf_counter() - stopping)
+            if is_main and args.checkpoint:
+                print(f"saved at epoch {epoch + 1} step {stopped_at} (--save-every {args.save_every:g})", flush=True)
+            start_step = stopped_at
+        stopping, counts = time.perf_counter(), evaluate(model, test_loader, device)
+        if counts is None:  # SLURM: a stop signal during the evaluation: the next run trains no step and evaluates
+            signum = stop_requested(device, stopping, stopping)[0]  # SLURM: which signal, the same on every rank
+            save_position(epoch, start_step + len(train_loader))
+            return report_stop(is_main, args.checkpoint, epoch, start_step + len(train_loader), signum,
+                               time.perf_counter() - stopping)
         correct, total = counts
-        loss, start_step, done = totals[0] / totals[1], 0, [0, 0]  # SLURM: later epochs start at step 0
+        loss, start_step, done = done[0] / done[1], 0, [0, 0]  # SLURM: later epochs start at step 0
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
         dist.barrier(group=rank0_work)  # DDP: the others wait until the checkpoint is complete
@@ -291,22 +336,38 @@ def train(args, rank, world_size, device):
             print(summary, flush=True)
 
 
-def requeue(is_main, position):
-    """SLURM: rank 0 puts the job back in the queue; it starts again under the same job id and resumes."""
-    if is_main:
-        print(f"stopped at {position} on SIGUSR2: requeueing job {os.environ['SLURM_JOB_ID']}", flush=True)
-        subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
+def report_stop(is_main, checkpoint, epoch, step, signum, seconds):
+    """SLURM: rank 0 says where the run stopped, on which signal, and how long the save took; returns the exit code:
+    STOPPED, for submit.sh to requeue the job, or 0 without a checkpoint (the requeued job would start over)."""
+    if is_main and not checkpoint:
+        print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: no --checkpoint, so nothing "
+              "is saved and the job is not requeued (it would start over)", flush=True)
+    elif is_main:
+        print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: saved in {seconds:.1f} s, "
+              f"exit code {STOPPED} to be requeued", flush=True)
+        if STOP_CHECK_SECONDS + seconds > STOP_LEAD_SECONDS / 2:  # a stop that outlasts the lead is killed: TIMEOUT
+            print(f"warning: a stop takes up to {STOP_CHECK_SECONDS} s until the ranks check for it and "
+                  f"{seconds:.0f} s to save, more than half of the {STOP_LEAD_SECONDS} s by which Slurm's warning "
+                  "(--signal) comes before the time limit: give it a longer lead, and check that a preempting "
+                  "partition's GraceTime is long enough too", flush=True)
+    return STOPPED if checkpoint else 0
 
 
 def main():
-    # SLURM: submit.sh asks for SIGUSR2 before the time limit, and Slurm sends it to every process of the task,
-    # the data-loader workers too. Workers started by forkserver (Python 3.14's default) or spawn do not inherit
-    # a handler and would die of it. So this thread also blocks it: every thread and process started from here
-    # on inherits the block and keeps the signal pending, where signalled() finds it. Threads started before
-    # (a BLAS pool) do not block it: the handler takes it there. Both come first in main(); only while Python
-    # starts and imports torch, seconds after the job starts and not 120 s before its end, would it kill us.
-    signal.signal(signal.SIGUSR2, lambda signum, frame: STOP.update(requested=True))
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    # SLURM: Slurm sends SIGUSR2 before the time limit (submit.sh asks for it) and SIGTERM to preempt or cancel
+    # the job, to every process of the task, the data-loader workers too. Workers started by forkserver (Python
+    # 3.14's default) or spawn do not inherit a handler and would die of them. So this thread also blocks them:
+    # every thread and process started from here on inherits the block and keeps the signal pending, where
+    # signalled() finds it; a data-loader stops its workers through its queues, not by signal. Threads started
+    # before (a BLAS pool) do not block them: the handler takes them there. Both come first in main(); only while
+    # Python starts and imports torch, seconds after the job starts, would a signal kill the task at once.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # CPython unblocks SIGTERM in the thread that starts multiprocessing's resource tracker, as the first worker
+    # started by forkserver or spawn would: so it starts here, inheriting the block, and SIGTERM is blocked again.
+    multiprocessing.resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     args = parse_args()
     # SLURM: srun starts the tasks and tells each its place; submit.sh exports MASTER_ADDR and MASTER_PORT.
     if "SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ:
@@ -314,9 +375,10 @@ def main():
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"))
     device = setup(rank, local_rank, world_size, args.collective_timeout)
     try:
-        train(args, rank, world_size, device)
+        code = train(args, rank, world_size, device)
     finally:
         dist.destroy_process_group()  # DDP: also after an error
+    sys.exit(code)  # SLURM: STOPPED after a stop signal, for submit.sh to requeue the job
 
 
 if __name__ == "__main__":

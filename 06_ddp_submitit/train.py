@@ -9,7 +9,10 @@ The job is Checkpointable: on SIGUSR2 (timeout or preemption) all ranks stop at 
 0 saves, and submitit's handler calls checkpoint() and requeues the job, which resumes from there.
 """
 import argparse
+import importlib
+import multiprocessing.resource_tracker
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -22,15 +25,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 import submitit
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description="Train a small CNN on MNIST.")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
+    parser.add_argument("--test-batch-size", type=int, default=1000,
+                        help="samples per evaluation step in each process (no gradients: more fit than when training)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
@@ -39,6 +44,9 @@ def parse_args():
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
+    parser.add_argument("--save-every", type=float, default=30, metavar="MINUTES",
+                        help="also save inside an epoch this often (0: only at its end and on a stop signal), so "
+                             "that a job killed without a warning (a node fails, out of memory) loses at most this")
     parser.add_argument("--collective-timeout", type=float, default=600,
                         help="seconds a collective waits for every rank: a rank that stops answering ends the run "
                              "after this long (rank 0's download and checkpoints get at least an hour)")
@@ -50,27 +58,23 @@ def parse_args():
                         help="processes per node: one per GPU (default: --gpus-per-node, or 2 without GPUs)")
     parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per process")
     parser.add_argument("--timeout-min", type=int, default=60, help="time limit of the job in minutes")
-    parser.add_argument("--max-timeouts", type=int,
-                        help="Slurm: times the job is requeued at its time limit before submitit fails it "
-                             "(default: 100 with --checkpoint; without, each requeue starts over: submitit's 3)")
     parser.add_argument("--partition", help="Slurm partition (default: the cluster's default)")
     parser.add_argument("--log-dir", default="submitit_logs", help="every job gets a new log folder in here")
     args = parser.parse_args()
     if min(args.nodes, args.tasks_per_node or 1, args.cpus_per_task, args.timeout_min) < 1 or args.tasks_per_node == 0:
         parser.error("--nodes, --tasks-per-node, --cpus-per-task and --timeout-min must be at least 1")
-    args.max_timeouts = (100 if args.checkpoint else 3) if args.max_timeouts is None else args.max_timeouts
-    if args.max_timeouts < 0:
-        parser.error("--max-timeouts must be at least 0")
     if args.local and args.nodes > 1:
         parser.error("--local runs the tasks on this machine: one node")
-    # submitit: the task's cores are split so that nothing runs on top of anything else: half for data-loader
-    # workers (one core each), the rest for the main process's threads (OMP_NUM_THREADS, set on Slurm in main()).
+    # submitit: the task's cores are split so that nothing runs on top of anything else: half (or --workers) for
+    # data-loader workers, one core each, the rest for the main process's threads (OMP_NUM_THREADS, in main()).
     args.workers = args.cpus_per_task // 2 if args.workers is None else args.workers
-    if args.epochs < 1 or args.batch_size < 1 or min(args.workers, args.log_interval) < 0 or not args.lr > 0:
-        parser.error("--epochs and --batch-size must be at least 1, --workers and --log-interval at least 0, "
-                     "--lr above 0")
-    if not args.collective_timeout > 0:
-        parser.error("--collective-timeout must be above 0 seconds")
+    if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
+        parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
+                     "at least 0")
+    if not args.lr > 0:
+        parser.error("--lr must be above 0")
+    if not args.collective_timeout > 0 or args.save_every < 0:
+        parser.error("--collective-timeout must be above 0 seconds and --save-every at least 0")
     # submitit: the launcher often runs on a login node, whose GPUs (none) say nothing of the compute nodes'.
     if args.gpus_per_node is None and not args.local and submitit.AutoExecutor.which() == "slurm":
         parser.error("--gpus-per-node is needed on Slurm: the GPUs of each compute node (0 for CPU nodes)")
@@ -92,13 +96,15 @@ def download_mnist(data_dir):
 
 
 def load_datasets(args):
-    """Returns (train, test) as in-memory tensors: decoded and normalised once, not per sample."""
+    """Returns (train, test): datasets that take one index and return one (image, label), as torchvision's do.
+    These two are decoded and normalised into memory once; yours may read each sample from disk instead."""
     if args.dataset == "synthetic":  # each class is a fixed random pattern under noise, the same everywhere
         generator = torch.Generator().manual_seed(1234)
         patterns = torch.randn(10, 1, 28, 28, generator=generator)
         labels = torch.randint(0, 10, (8_000,), generator=generator)
         images = patterns[labels] + torch.randn(len(labels), 1, 28, 28, generator=generator)
         return TensorDataset(images[:6_000], labels[:6_000]), TensorDataset(images[6_000:], labels[6_000:])
+    download_mnist(args.data_dir)
     from torchvision import datasets
     splits = [datasets.MNIST(args.data_dir, train=train) for train in (True, False)]
     return [TensorDataset((s.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, s.targets) for s in splits]
@@ -136,36 +142,42 @@ class ResumableSampler(DistributedSampler):
         return max(0, super().__len__() - self.start)
 
 
-STOP = {"requested": False}  # SLURM: set by the SIGUSR2 handler
-STOP_CHECK_SECONDS = 10  # SLURM: the ranks agree on stopping about this often; the warning comes 120 s ahead
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # SLURM: the time-limit warning; preemption and scancel
+STOP = {}  # SLURM: {"signal": the first stop signal this process has had}, set by the handler
+STOP_CHECK_SECONDS = 2  # SLURM: the ranks agree on stopping about this often (a collective that waits for the GPU)
+STOP_LEAD_SECONDS = 120  # SLURM: the warning's lead in submit.sh (--signal=USR2@120); a stop must take well under it
+STOPPED = 144  # SLURM: the exit code of a run that saved and stopped on a signal: submit.sh requeues it (06 too)
 
 
 def signalled():
-    """SLURM: whether this process has had SIGUSR2: through the handler, or pending where it is blocked."""
-    return STOP["requested"] or signal.SIGUSR2 in signal.sigpending()
+    """SLURM: the stop signal this process has had (through the handler, or pending where it is blocked), or 0."""
+    return STOP.get("signal") or max(signal.sigpending() & set(STOP_SIGNALS), default=0)
 
 
-def stop_requested(device, since):
-    """SLURM: a collective; returns (True on every rank once any rank has had the signal, the slowest rank's
-    seconds since `since`), so that all ranks stop at the same step and plan the next check alike."""
-    state = torch.tensor([float(signalled()), time.monotonic() - since], device=device)
+def stop_requested(device, since, started):
+    """SLURM: a collective; returns (the stop signal any rank has had, else 0; the slowest rank's seconds since
+    `since`, and since `started`), the same on every rank, so that all stop (or save) at the same step and plan
+    the next check alike."""
+    state = torch.tensor([float(signalled()), time.monotonic() - since, time.monotonic() - started], device=device)
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
-    stop, seconds = state.tolist()
-    return stop > 0, seconds
+    signum, seconds, running = state.tolist()
+    return int(signum), seconds, running
 
 
-def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start_step=0):
+def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start_step=0, save_every=0):
     """One pass over loader, whose sampler starts at batch start_step; returns ([sum of losses, samples] over
-    all ranks, None), or the same until the stop and the step at which all ranks stopped on SIGUSR2. Every
-    log_interval steps (0: never) it prints the mean loss and the speed since the line before."""
+    all ranks, None, 0), or the same until the step at which all ranks stopped: for a save, save_every seconds
+    after the start (0: never), or on a stop signal, which comes last. Every log_interval steps (0: never) it
+    prints the mean loss and the speed since the line before."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
     logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
-    check_at, every, last_check, stopped_at = start_step, 1, time.monotonic(), None
+    check_at, every, started, stopped_at, signum = start_step, 1, time.monotonic(), None, 0
+    last_check = started
     for step, (images, labels) in enumerate(loader, start_step):
         if step == check_at:  # SLURM: each check waits for the GPU, so as many steps apart as take STOP_CHECK_SECONDS
-            stop, seconds = stop_requested(device, last_check)
-            if stop:
+            signum, seconds, running = stop_requested(device, last_check, started)
+            if signum or 0 < save_every <= running:
                 stopped_at = step
                 break
             step_seconds = seconds / every  # on the slowest rank: the same number on every rank
@@ -185,12 +197,12 @@ def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start
                   f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} samples/s", flush=True)
             logged, logged_at = totals.clone(), now
     dist.all_reduce(totals)  # DDP: sum over ranks, so rank 0 reports the global mean loss
-    return totals.tolist(), stopped_at
+    return totals.tolist(), stopped_at, signum
 
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Returns [correct, total] over loader, or None on every rank when a rank had SIGUSR2 before the end."""
+    """Returns [correct, total] over loader, or None on every rank when a rank had a stop signal before the end."""
     model.eval()
     counts = torch.zeros(3, dtype=torch.int64, device=device)  # [correct, total, ranks that stopped early]
     for images, labels in loader:
@@ -216,16 +228,25 @@ def save_checkpoint(path, model, optimizer, epoch, **position):
 
 
 def load_checkpoint(path, model, optimizer, group):
-    """Restore model and optimizer from path if it exists; returns the checkpoint, or None. DDP: rank 0 alone
-    looks for path and reads it, and every rank loads what it read: all resume from one state, even where a
-    node's view of shared storage lags behind. The others wait for rank 0's read in group."""
-    state = [torch.load(path, map_location="cpu") if dist.get_rank() == 0 and os.path.exists(path) else None]
-    dist.broadcast_object_list(state, group=group)  # DDP: rank 0's object, pickled, to all (on the CPU, in Gloo)
-    state = state[0]
+    """Restore model and optimizer from path if it exists; returns where it left off ({"epoch": ...}), or None.
+    The file is mapped, not read into memory: its tensors are copied once, into the model and the optimizer
+    on this process's device, and nothing else of it is kept. DDP: every rank maps the file itself (the ranks
+    of a node share its pages), and rank 0's view decides: a rank that sees no file or another one (its node's
+    view of shared storage lags behind) stops every rank with one line, rather than train from another state."""
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if os.path.exists(path) else None
+    position = state and {key: value for key, value in state.items() if key not in ("model", "optimizer")}
+    rank0s = [position]
+    dist.broadcast_object_list(rank0s, group=group)  # DDP: rank 0's position (a few numbers) to every rank
+    differ = torch.tensor([position != rank0s[0]])
+    dist.all_reduce(differ, group=group)  # DDP: how many ranks see another checkpoint than rank 0
+    if differ:
+        where = lambda p: f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file"  # noqa: E731
+        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {where(position)} at {path}, rank 0 "
+                 f"{where(rank0s[0])}: start again once every node sees rank 0's file" if position != rank0s[0] else 1)
     if state is not None:
-        model.load_state_dict(state["model"])  # onto this process's device, whatever the saver's was
-        optimizer.load_state_dict(state["optimizer"])
-    return state
+        model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
+        optimizer.load_state_dict(state.pop("optimizer"))
+    return position
 
 
 def setup(rank, local_rank, world_size, timeout, store=None):
@@ -254,62 +275,83 @@ def setup(rank, local_rank, world_size, timeout, store=None):
 
 def train(args, rank, world_size, device):
     is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
-    # DDP: while rank 0 alone works (download, reading or writing a checkpoint) the others wait in this group,
+    # DDP: while rank 0 alone works (download, writing a checkpoint) the others wait in this group,
     # which allows at least an hour, as that work can outlast --collective-timeout. Gloo: on the CPU, no GPU memory.
     rank0_work = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, args.collective_timeout)))
-    if args.dataset == "mnist" and is_main:
-        download_mnist(args.data_dir)
-    dist.barrier(group=rank0_work)  # DDP: the other ranks read MNIST only once rank 0 has it
+    if not is_main:  # DDP: rank 0 loads the data first, downloading what is missing; the others once it has
+        dist.barrier(group=rank0_work)
     train_set, test_set = load_datasets(args)
+    if is_main:
+        dist.barrier(group=rank0_work)
     # DDP: each rank takes every world_size-th index of the epoch's order, which depends only on --seed
     # and the epoch (set below); a few repeats pad it so that all ranks take the same number of steps.
     sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    # Whole batches: the dataset gets each batch's list of indices, which a TensorDataset takes in one indexing
-    # (not one call per sample and a stack). A dataset that takes one index at a time needs the usual
-    # DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args).
-    batches = BatchSampler(sampler, args.batch_size, drop_last=False)
-    train_loader = DataLoader(train_set, sampler=batches, batch_size=None, **loader_args)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
     # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.
-    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)), batch_size=1000, **loader_args)
+    test_subset = Subset(test_set, range(rank, len(test_set), world_size))
+    test_loader = DataLoader(test_subset, batch_size=args.test_batch_size, **loader_args)
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    checkpoint = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
-    start_epoch = checkpoint["epoch"] if checkpoint else 0
+    position = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
+    start_epoch = position["epoch"] if position else 0
     # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then. The step
-    # means the same samples under any layout of the same global batch: the epoch's order is split by rank.
+    # means the same samples under any layout of the same global batch, --seed and training set: the epoch's
+    # order depends only on the seed and the set's size, and is split by rank.
     start_step, done = 0, [0, 0]
-    if checkpoint and checkpoint.get("step"):
-        start_step, done = checkpoint["step"], checkpoint["totals"]
-        if checkpoint["world_size"] * checkpoint["batch_size"] != world_size * args.batch_size:
-            sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1} with {checkpoint['world_size']} "
-                     f"processes x {checkpoint['batch_size']} samples per step; resume it with that global batch "
-                     f"(now {world_size} x {args.batch_size}) or from an end-of-epoch checkpoint" if is_main else 1)
-    if checkpoint and is_main:
+    if position and position.get("step"):
+        start_step, done = position["step"], position["totals"]
+        saved = (position["world_size"] * position["batch_size"], position["seed"], position["samples"])
+        if saved != (world_size * args.batch_size, args.seed, len(train_set)):
+            sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1} with {position['world_size']} "
+                     f"processes x {position['batch_size']} samples per step, --seed {position['seed']} and "
+                     f"{position['samples']} training samples; resume it with the same global batch, seed and data "
+                     f"(now {world_size} x {args.batch_size}, {args.seed}, {len(train_set)}) or from an end-of-epoch "
+                     "checkpoint" if is_main else 1)
+    if position and is_main:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch} step {start_step}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
+    def save_position(epoch, step):  # SLURM: the model after `step` steps of `epoch`, and what they mean
+        if args.checkpoint and is_main:
+            save_checkpoint(args.checkpoint, model, optimizer, epoch, step=step, world_size=world_size,
+                            batch_size=args.batch_size, seed=args.seed, samples=len(train_set), totals=done)
+        dist.barrier(group=rank0_work)
+
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
-        sampler.start = start_step * args.batch_size  # SLURM: this rank's samples of the steps trained already
-        start = time.perf_counter()
-        (loss_sum, samples), stopped_at = train_one_epoch(ddp_model, train_loader, optimizer, device, epoch,
-                                                          args.log_interval if is_main else 0, start_step)
-        train_time, totals = time.perf_counter() - start, [done[0] + loss_sum, done[1] + samples]
-        counts = evaluate(model, test_loader, device) if stopped_at is None else None
-        if counts is None:  # SLURM: stopped in training or evaluation: save where, then requeue the job
-            stopped_at = start_step + len(train_loader) if stopped_at is None else stopped_at
-            if args.checkpoint and is_main:
-                save_checkpoint(args.checkpoint, model, optimizer, epoch, step=stopped_at, world_size=world_size,
-                                batch_size=args.batch_size, totals=totals)
-            dist.barrier(group=rank0_work)
-            note = "" if args.checkpoint else " (no --checkpoint: the job will start over)"
-            return requeue(is_main, f"epoch {epoch + 1} step {stopped_at}{note}")
+        # Random numbers (augmentations, dropout, the seeds of data-loader workers as they start) depend only on
+        # --seed and the epoch: hash() of ints is the same in every run.
+        torch.manual_seed(hash((args.seed, epoch, rank)))  # DDP: and differ from rank to rank
+        start, train_time, samples = time.perf_counter(), 0, 0
+        while True:  # SLURM: the rest of the epoch, or up to a save (--save-every) or a stop signal
+            sampler.start = start_step * args.batch_size  # SLURM: this rank's samples of the steps trained already
+            began = time.perf_counter()
+            (loss_sum, trained), stopped_at, signum = train_one_epoch(
+                ddp_model, train_loader, optimizer, device, epoch, args.log_interval if is_main else 0, start_step,
+                60 * args.save_every)
+            train_time, samples = train_time + time.perf_counter() - began, samples + trained
+            done = [done[0] + loss_sum, done[1] + trained]
+            if stopped_at is None:
+                break
+            stopping = time.perf_counter()
+            save_position(epoch, stopped_at)
+            if signum:
+                return report_stop(is_main, args.checkpoint, epoch, stopped_at, signum, time.perf_counter() - stopping)
+            if is_main and args.checkpoint:
+                print(f"saved at epoch {epoch + 1} step {stopped_at} (--save-every {args.save_every:g})", flush=True)
+            start_step = stopped_at
+        stopping, counts = time.perf_counter(), evaluate(model, test_loader, device)
+        if counts is None:  # SLURM: a stop signal during the evaluation: the next run trains no step and evaluates
+            signum = stop_requested(device, stopping, stopping)[0]  # SLURM: which signal, the same on every rank
+            save_position(epoch, start_step + len(train_loader))
+            return report_stop(is_main, args.checkpoint, epoch, start_step + len(train_loader), signum,
+                               time.perf_counter() - stopping)
         correct, total = counts
-        loss, start_step, done = totals[0] / totals[1], 0, [0, 0]  # SLURM: later epochs start at step 0
+        loss, start_step, done = done[0] / done[1], 0, [0, 0]  # SLURM: later epochs start at step 0
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
         dist.barrier(group=rank0_work)  # DDP: the others wait until the checkpoint is complete
@@ -319,40 +361,59 @@ def train(args, rank, world_size, device):
             print(summary, flush=True)
 
 
-def requeue(is_main, position):
-    """submitit: its handler calls Trainer.checkpoint() and requeues the job on rank 0, then exits."""
-    if is_main:
-        print(f"stopped at {position} on SIGUSR2: submitit requeues the job", flush=True)
-    # submitit: the requeue has Slurm send SIGTERM to the job's processes, maybe before the `scontrol requeue`
-    # that asked for it has returned (a busy controller). Ignored, also by scontrol, else submitit's requeue
-    # fails; and the death of a data-loader worker from it must not raise here (PyTorch's SIGCHLD handler).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    STOP["submitit_handler"](signal.SIGUSR2, None)
-    sys.exit(0)  # other ranks: leave without a result; the requeued job writes it
+def report_stop(is_main, checkpoint, epoch, step, signum, seconds):
+    """SLURM: rank 0 says where the run stopped, on which signal, and how long the save took; returns the exit code:
+    STOPPED, for submit.sh to requeue the job, or 0 without a checkpoint (the requeued job would start over)."""
+    if is_main and not checkpoint:
+        print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: no --checkpoint, so nothing "
+              "is saved and the job is not requeued (it would start over)", flush=True)
+    elif is_main:
+        print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: saved in {seconds:.1f} s, "
+              f"exit code {STOPPED} to be requeued", flush=True)
+        if STOP_CHECK_SECONDS + seconds > STOP_LEAD_SECONDS / 2:  # a stop that outlasts the lead is killed: TIMEOUT
+            print(f"warning: a stop takes up to {STOP_CHECK_SECONDS} s until the ranks check for it and "
+                  f"{seconds:.0f} s to save, more than half of the {STOP_LEAD_SECONDS} s by which Slurm's warning "
+                  "(--signal) comes before the time limit: give it a longer lead, and check that a preempting "
+                  "partition's GraceTime is long enough too", flush=True)
+    return STOPPED if checkpoint else 0
 
 
-class Trainer(submitit.helpers.Checkpointable):
-    """The job that submitit runs in every task; Checkpointable, so a timeout or preemption requeues it."""
+def run(args):
+    """One task of the job, as submitit starts it on every node."""
+    # submitit: its own handlers log SIGTERM and, on SIGUSR2, run `scontrol requeue` in the task, which an image
+    # without a Slurm client cannot do. Ours replace them as in 05 (and block both, for the data-loader workers):
+    # all ranks stop at one step, rank 0 saves, and every task exits with STOPPED, which the batch script's
+    # teardown, on the host, turns into a requeue (and --local's controller into a restart).
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    multiprocessing.resource_tracker.ensure_running()  # SLURM: then block again, as in 05
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # submitit: the rendezvous variables, with the MASTER_PORT that the batch script found free (see main()).
+    dist_env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    device = setup(dist_env.rank, dist_env.local_rank, dist_env.world_size, args.collective_timeout)
+    try:
+        code = train(args, dist_env.rank, dist_env.world_size, device)
+    finally:
+        dist.destroy_process_group()  # DDP: also after an error
+    if code:
+        sys.exit(code)  # submitit: no result yet; the requeued job writes it
 
-    def checkpoint(self, args):
-        """submitit calls this on rank 0 to get the job to run again, which resumes from --checkpoint. It pickles
-        that job with this module's globals, so STOP is first reset to how a new job starts."""
-        STOP.clear()
-        STOP["requested"] = False
-        return submitit.helpers.DelayedSubmission(Trainer(), args)
 
-    def __call__(self, args):
-        # submitit: SIGUSR2 is its timeout/preemption signal. Ours first stops all ranks at one step; blocked
-        # as in 05, so that data-loader workers started by forkserver or spawn keep it pending, not die of it.
-        STOP["submitit_handler"] = signal.signal(signal.SIGUSR2, lambda signum, frame: STOP.update(requested=True))
-        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
-        dist_env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        device = setup(dist_env.rank, dist_env.local_rank, dist_env.world_size, args.collective_timeout)
+# submitit: the first port from 20000 + job id mod 12000 on that no process of this node listens (as in 05).
+PORT_PROBE = """
+import os, socket
+job = int(os.environ["SLURM_JOB_ID"])
+for port in (20000 + (job + i) % 12000 for i in range(12000)):
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
         try:
-            train(args, dist_env.rank, dist_env.world_size, device)
-        finally:
-            dist.destroy_process_group()  # DDP: also after an error
+            probe.bind(("", port))
+        except OSError:
+            continue
+    print(port)
+    break
+"""
 
 
 def main():
@@ -363,17 +424,29 @@ def main():
         os.environ.pop(name, None)
     # submitit: Slurm when there is one (or --local: processes here); a new log folder for every launch.
     folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))
-    executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None,
-                                     slurm_max_num_timeout=args.max_timeouts)  # submitit: else the 4th time-out fails
+    executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None)
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min, slurm_partition=args.partition,
-                               slurm_signal_delay_s=120,
+                               slurm_signal_delay_s=STOP_LEAD_SECONDS, slurm_additional_parameters={"requeue": True},
                                # submitit: its srun does not pass --cpus-per-task on, which Slurm 22.05 to
                                # 23.02 do not do by themselves: where tasks are bound, each gets one core.
                                slurm_srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={args.cpus_per_task}"],
-                               slurm_setup=[f"export OMP_NUM_THREADS={args.cpus_per_task - args.cpus_per_task // 2}"])
-    job = executor.submit(Trainer(), args)
+                               # submitit: the batch script's first lines, on the job's first node: the threads,
+                               # and a port that no process there holds now, found as 05's submit.sh does.
+                               slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",
+                                            f"export MASTER_PORT=$({sys.executable} -c {shlex.quote(PORT_PROBE)})"],
+                               # submitit: its last line, on the host: a job whose tasks stopped and saved goes
+                               # back to the queue, as in 05 (a scancel has ended this script before); any other
+                               # exit status of srun stays the job's.
+                               slurm_teardown=[f'status=$?; if [ $status = {STOPPED} ]; then scontrol requeue '
+                                               '"$SLURM_JOB_ID"; fi; exit $status'])
+    # submitit: the job gets this file imported as a module (pickled by name, not as __main__ by value), so that
+    # its classes are found by name in the job's processes: spawn and forkserver (Python 3.14's default) pickle the
+    # dataset for every data-loader worker. The job finds the module through the PYTHONPATH it inherits.
+    here, name = os.path.split(os.path.splitext(os.path.abspath(__file__))[0])
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    job = executor.submit(importlib.import_module(name).run, args)
     print(f"submitted job {job.job_id}; logs in {job.paths.folder} (rank 0: {job.job_id}_0_log.out)", flush=True)
     job.results()  # waits for the job, through requeues, and raises its error if it failed
     print(f"job {job.job_id} finished", flush=True)

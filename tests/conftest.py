@@ -145,9 +145,9 @@ def max_abs_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def load_step_module(step):
-    """Imports a step's train.py as a module (for the single-process reference evaluation)."""
-    spec = importlib.util.spec_from_file_location(f"train_{step}", REPO / step / "train.py")
+def load_step_module(step, path=None):
+    """Imports a step's train.py (or the one at path) as a module, to call its functions in this process."""
+    spec = importlib.util.spec_from_file_location(f"train_{step}", path or REPO / step / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -69,8 +69,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# cred_expire=10: a requeued job may start again after ~12 s instead of ~135 s
-AuthInfo=socket=$STATE/munge/munge.socket,cred_expire=10
+# cred_expire=5, the smallest Slurm takes (4 falls back to 120): a requeued job may start again after 6 s
+# (requeue + cred_expire + 1) instead of 121 s
+AuthInfo=socket=$STATE/munge/munge.socket,cred_expire=5
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool/%n
 SlurmctldPidFile=$STATE/slurmctld.pid
@@ -87,10 +88,11 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
 ReturnToService=2
-# Fast turnaround for tests: finished jobs leave quickly (sbatch --wait polls less), the scheduler
-# runs often, cancelled processes are killed after 2 s, impossible requests are refused at once.
+# Fast turnaround for tests: finished jobs leave quickly (sbatch --wait polls every 2 s only while MinJobAge
+# is small), the scheduler runs every second (a requeued job starts within a second of being eligible),
+# cancelled processes get SIGKILL after 2 s (slurmd waits about 5 s anyway), impossible requests are refused.
 MinJobAge=4
-SchedulerParameters=sched_interval=2,bf_interval=1
+SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=0
 KillWait=2
 EnforcePartLimits=ALL
 # Accounting: slurmctld sends every job's record to slurmdbd, on the bridge's address so that sacct
@@ -100,14 +102,22 @@ AccountingStorageHost=$SUBNET.1
 AccountingStoragePort=$DBD_PORT
 # With slurmdbd this names the munge socket for its connections (default /run/munge/munge.socket.2): ours.
 AccountingStoragePass=$STATE/munge/munge.socket
+# Preemption as many sites run it: a job of the partition "high" takes the nodes of a job of "low" (the default)
+# at once. The low job's tasks get SIGTERM (no SIGUSR2 first: no preempt_send_user_signal), and GraceTime
+# seconds later the job is killed and requeued, unless it left before: then it stays ended.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 EOF
   for node in "${NODES[@]}"; do
     i=$((i + 1))
     echo "NodeName=$node NodeAddr=$SUBNET.$((10 + i)) Port=$((17000 + i)) CPUs=$CPUS_PER_NODE State=UNKNOWN" \
       >>"$STATE/slurm.conf"
   done
-  echo "PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP" \
+  local nodes
+  nodes=$(IFS=,; echo "${NODES[*]}")
+  echo "PartitionName=low Nodes=$nodes Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=10 State=UP" \
     >>"$STATE/slurm.conf"
+  echo "PartitionName=high Nodes=$nodes PriorityTier=2 PreemptMode=OFF State=UP" >>"$STATE/slurm.conf"
 }
 
 # slurmdbd reads slurmdbd.conf from the folder of $SLURM_CONF, so it stays in $STATE and /etc/slurm gets no

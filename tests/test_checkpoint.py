@@ -1,8 +1,15 @@
-"""Checkpoints are written atomically: a crash in the middle of a write leaves the previous one whole."""
+"""Checkpoints are written atomically (a crash in the middle of a write leaves the previous one whole), and read
+without keeping anything of them, at most one copy of the state in memory per rank."""
+import gc
+import re
+import sys
+import weakref
+
 import pytest
 import torch
+import torch.distributed as dist
 
-from conftest import load_step_module
+from conftest import child_env, load_step_module, run
 
 
 @pytest.mark.parametrize("step", ["01_single_gpu", "05_ddp_slurm"])  # the two versions of save_checkpoint
@@ -28,3 +35,94 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
     state = torch.load(path, map_location="cpu")
     assert state["epoch"] == 1
     assert torch.equal(state["model"]["fc2.bias"], saved_bias) and not torch.equal(model.fc2.bias, saved_bias)
+
+
+@pytest.mark.parametrize("step", ["01_single_gpu", "03_ddp_mpspawn"])  # the two versions of load_checkpoint
+def test_loading_keeps_nothing_of_the_checkpoint(tmp_path, monkeypatch, step):
+    """load_checkpoint fills the model and the optimizer and returns where the checkpoint left off, and nothing of
+    what it read outlives it: a caller that keeps the returned value for the whole run keeps no tensor."""
+    module = load_step_module(step)
+    model = module.Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model(torch.zeros(2, 1, 28, 28)).sum().backward()
+    optimizer.step()  # momentum buffers to save
+    path = str(tmp_path / "ckpt.pt")
+    module.save_checkpoint(path, model, optimizer, 1)
+    saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+    read = []  # weak references to the model tensors that torch.load returned
+    load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: (
+        state := load(*args, **kwargs), read.extend(weakref.ref(t) for t in state["model"].values()))[0])
+    fresh = module.Net()
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.01, momentum=0.9)
+    if step == "01_single_gpu":
+        position = module.load_checkpoint(path, fresh, fresh_optimizer)
+    else:  # one rank of its own: rank 0, in a process group with a store in memory
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            position = module.load_checkpoint(path, fresh, fresh_optimizer, dist.group.WORLD)
+        finally:
+            dist.destroy_process_group()
+    gc.collect()
+    assert position == {"epoch": 1}, sorted(position)
+    assert read and all(ref() is None for ref in read), "a tensor of the checkpoint is still alive"
+    assert all(torch.equal(fresh.state_dict()[name], saved[name]) for name in saved)
+    assert fresh_optimizer.state_dict()["state"], "no momentum restored"
+
+
+WIDE_NET = '''
+class Net(nn.Module):
+    """A model of 67 million parameters: 268 MB of weights, as much again of momentum."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8192, 8192)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1)[:, :1].expand(-1, 8192))
+'''
+MEMORY = '''
+import atexit, os, torch
+def _vm(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith(field + ":"))
+if os.environ.get("TEST_MEMORY"):
+    _init, _load = torch.optim.SGD.__init__, torch.optim.Optimizer.load_state_dict
+    def init(self, *args, **kwargs):
+        _init(self, *args, **kwargs)
+        self._rss_before_resume = _vm("VmRSS")  # the model and optimizer are built; nothing is loaded yet
+    def load_state_dict(self, *args, **kwargs):
+        _load(self, *args, **kwargs)
+        print(f"memory: {self._rss_before_resume} MB before the resume, peak {_vm('VmHWM')} MB by its end", flush=True)
+    torch.optim.SGD.__init__, torch.optim.Optimizer.load_state_dict = init, load_state_dict
+'''
+
+
+def test_a_resume_holds_at_most_one_copy_of_the_state(tmp_path):
+    """03 copied with a model whose state (weights and momentum) is 537 MB, resumed by two ranks: while a rank
+    loads, its resident memory grows by at most one copy of the state plus the optimizer's momentum (the model
+    is there before). Reading the whole file in every rank, or sending it pickled from rank 0, takes more."""
+    from test_copy import copy_step  # noqa: E402 (a helper of the copy tests)
+    folder = copy_step("03_ddp_mpspawn", tmp_path, code=WIDE_NET, names=("Net",))
+    module = load_step_module("03_ddp_mpspawn", folder / "train.py")
+    torch.manual_seed(0)
+    model = module.Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for parameter in model.parameters():
+        optimizer.state[parameter]["momentum_buffer"] = torch.randn_like(parameter)
+    module.save_checkpoint(str(tmp_path / "ckpt.pt"), model, optimizer, 1)
+    state_mb = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    del model, optimizer
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(MEMORY)
+    result = run([sys.executable, "03_ddp_mpspawn/train.py", "--world-size", "2", "--dataset", "synthetic", "--epochs",
+                  "1", "--checkpoint", str(tmp_path / "ckpt.pt")], timeout=180, cwd=tmp_path,
+                 env=child_env(PYTHONPATH=str(tmp_path / "site"), TEST_MEMORY="1"))
+    assert result.returncode == 0 and "resumed from" in result.output, result
+    figures = [tuple(map(int, m)) for m in re.findall(r"^memory: (\d+) MB before the resume, peak (\d+) MB", result.output,
+                                                       re.M)]
+    print(f"state {state_mb:.0f} MB; per rank (MB before the resume, peak): {figures}")
+    assert len(figures) == 2, result
+    for before, peak in figures:
+        assert peak - before <= state_mb + state_mb / 2 + 64, (state_mb, figures)

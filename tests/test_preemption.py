@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from conftest import (LAUNCH_LINE, REPO, SYNTHETIC, TOLERANCE, batch_args, child_env, free_port, load_step_module,
-                      max_abs_diff, read_line, submitit_logs, weights)
+                      max_abs_diff, read_line, run_step, submitit_logs, weights)
 
 TRAIN_05 = [*SYNTHETIC[:2], *batch_args("05_ddp_slurm")]  # --workers is chosen per test
 # Python 3.14's default start method is forkserver; a sitecustomize on PYTHONPATH forces one here, in every
@@ -46,7 +46,8 @@ if os.environ.get("TEST_SIGNAL_AT_FETCH"):  # "SIZE:N": SIGUSR2 to itself at the
         return fetch(self, index)
     torch.utils.data.TensorDataset.__getitem__ = signalling_fetch
 '''
-STOPPED = re.compile(r"^stopped at epoch (\d+) step (\d+) on SIGUSR2", re.M)
+STOPPED = re.compile(r"^stopped at epoch (\d+) step (\d+) on (SIGUSR2|SIGTERM)", re.M)
+REQUEUE_CODE = 144  # what a stopped run exits with, for submit.sh (or submitit) to requeue the job
 ATTEMPTS = 3
 
 
@@ -87,12 +88,12 @@ def descendants(pid):
     return found
 
 
-def signal_every_process(pids):
-    """SIGUSR2 as Slurm sends it: to every process of each task; here the workers before their parent."""
+def signal_every_process(pids, signum=signal.SIGUSR2):
+    """A signal as Slurm sends it: to every process of each task; here the workers before their parent."""
     targets = [child for pid in pids for child in descendants(pid)] + list(pids)
     for pid in targets:
         try:
-            os.kill(pid, signal.SIGUSR2)
+            os.kill(pid, signum)
         except ProcessLookupError:
             pass
     return len(targets)
@@ -124,7 +125,7 @@ def finish_all(procs, timeout=90, lines=()):
     return codes, "".join(lines) + "".join(outs)
 
 
-def preempt_05(env, checkpoint, workers, extra_env=(), ranks=(0, 1)):
+def preempt_05(env, checkpoint, workers, extra_env=(), ranks=(0, 1), signum=signal.SIGUSR2):
     """Runs 05 for two epochs and signals every process of the tasks of `ranks` early in epoch 2, until one
     attempt stops inside the epoch's training (a signal that lands after the last check stops the evaluation
     or lets the run finish, which is right; one before the first step stops at step 0). Returns (step,
@@ -139,29 +140,31 @@ def preempt_05(env, checkpoint, workers, extra_env=(), ranks=(0, 1)):
             assert line, "".join(lines)
             lines.append(line)
         time.sleep(0.1 + 0.2 * attempt)  # into epoch 2 (about a second long)
-        signalled = signal_every_process([procs[rank].pid for rank in ranks])
+        signalled = signal_every_process([procs[rank].pid for rank in ranks], signum)
         codes, output = finish_all(procs, lines=lines)
-        assert codes == [0, 0], output  # no process of the task died of the signal
+        stopped = STOPPED.search(output)
+        assert codes == ([REQUEUE_CODE] * 2 if stopped else [0, 0]), output  # no process died of the signal
         assert "killed by signal" not in output and "died unexpectedly" not in output, output  # workers, helpers
         assert signalled >= len(ranks) * (1 + workers), signalled  # the workers were there and were signalled
-        stopped = STOPPED.search(output)
         if stopped and 0 < int(stopped.group(2)) < 94:  # 94 steps: 3000 samples a rank, 32 a step
-            assert stopped.group(1) == "2", output
+            assert stopped.group(1) == "2" and stopped.group(3) == signum.name, output
             return int(stopped.group(2)), output
     pytest.fail(f"in {ATTEMPTS} attempts the signal never stopped epoch 2 after its first step:\n{output}")
 
 
-@pytest.mark.parametrize("method, ranks", [("forkserver", (0, 1)), ("spawn", (0, 1)), ("fork", (1,))],
-                         ids=["forkserver", "spawn", "fork-rank-1-only"])
-def test_05_preemption_with_any_worker_start_method(cluster_env, ladder, reference, tmp_path, method, ranks):
-    """SIGUSR2 to every process of both tasks (or of rank 1's alone: the others must follow it), two
-    data-loader workers each: no process dies, all ranks stop at one step inside epoch 2, rank 0 saves and
-    requeues; the resumed run loads none of the batches it trained before the stop and ends with the
-    weights of an uninterrupted run."""
+@pytest.mark.parametrize("method, ranks, signum", [("forkserver", (0, 1), signal.SIGTERM),
+                                                   ("spawn", (0, 1), signal.SIGUSR2), ("fork", (1,), signal.SIGUSR2)],
+                         ids=["forkserver-SIGTERM", "spawn-SIGUSR2", "fork-SIGUSR2-to-rank-1-only"])
+def test_05_preemption_with_any_worker_start_method(cluster_env, ladder, reference, tmp_path, method, ranks, signum):
+    """SIGTERM (a preemption, scancel) or SIGUSR2 (the time-limit warning) to every process of both tasks (or of
+    rank 1's alone: the others must follow it), two data-loader workers each: no process dies, all ranks stop at
+    one step inside epoch 2, rank 0 saves, and every task exits with the code that has submit.sh requeue the job,
+    running no Slurm command itself; the resumed run loads none of the batches it trained before the stop and
+    ends with the weights of an uninterrupted run."""
     checkpoint = tmp_path / "ckpt.pt"
     step, output = preempt_05(cluster_env, checkpoint, workers=2, extra_env={"TEST_START_METHOD": method},
-                              ranks=ranks)
-    assert cluster_env.requeues() == ["requeue 4242"], output
+                              ranks=ranks, signum=signum)
+    assert cluster_env.requeues() == [], output  # scontrol is submit.sh's business, on the host
     saved = torch.load(checkpoint, map_location="cpu")
     assert (saved["epoch"], saved["step"], saved["world_size"], saved["batch_size"]) == (1, step, 2, 32)
 
@@ -185,21 +188,27 @@ def test_05_preemption_with_any_worker_start_method(cluster_env, ladder, referen
     assert max_abs_diff(final, weights(ladder("05_ddp_slurm").final)) <= TOLERANCE
 
 
-def test_05_resume_is_decided_by_rank_0(cluster_env, ladder, reference, tmp_path):
-    """Rank 1 runs in a folder where the relative --checkpoint path does not exist, as on a node whose view of
-    shared storage lags: it still resumes with rank 0, from what rank 0 read, and the run ends right."""
+@pytest.mark.parametrize("rank1_sees", ["no file", "the file before"])
+def test_05_a_rank_that_sees_another_checkpoint_stops_the_run_with_one_line(cluster_env, ladder, tmp_path, rank1_sees):
+    """Rank 1 runs in a folder where the relative --checkpoint path is missing, or holds an older checkpoint, as
+    on a node whose view of shared storage lags behind. Rank 0 decides: both stop at once, before training, with
+    one line that says so, rather than hang or train from two states."""
     folders = [tmp_path / "rank0", tmp_path / "rank1"]
     for folder in folders:
         folder.mkdir()
-    (folders[0] / "ckpt.pt").write_bytes(ladder("05_ddp_slurm").epoch1.read_bytes())
-    procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "2", "--checkpoint", "ckpt.pt"], cluster_env,
+    (folders[0] / "ckpt.pt").write_bytes(ladder("05_ddp_slurm").final.read_bytes())  # after epoch 2
+    if rank1_sees == "the file before":
+        (folders[1] / "ckpt.pt").write_bytes(ladder("05_ddp_slurm").epoch1.read_bytes())
+    procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "3", "--checkpoint", "ckpt.pt"], cluster_env,
                      cwds=folders)
     codes, output = finish_all(procs, timeout=60)
-    assert codes == [0, 0], output
-    assert "resumed from ckpt.pt after epoch 1 step 0" in output and output.count("epoch 2/2 |") == 1, output
-    assert "epoch 1/2 |" not in output, output
-    assert not (folders[1] / "ckpt.pt").exists()  # rank 1 never saw a file, and only rank 0 saves
-    assert max_abs_diff(weights(folders[0] / "ckpt.pt"), weights(reference.epoch2)) <= TOLERANCE
+    assert codes[0] != 0 and codes[1] != 0, output
+    seen = "no file" if rank1_sees == "no file" else "epoch 1 step 0"
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert errors == [f"error: rank 1 on {os.uname().nodename} finds {seen} at ckpt.pt, rank 0 epoch 2 step 0: start "
+                      "again once every node sees rank 0's file"], output
+    assert "Traceback" not in output and "epoch 3/3" not in output, output
+    assert (folders[0] / "ckpt.pt").read_bytes() == ladder("05_ddp_slurm").final.read_bytes()  # nothing saved
 
 
 def test_05_mid_epoch_checkpoint_and_another_layout(cluster_env, reference, tmp_path):
@@ -215,9 +224,26 @@ def test_05_mid_epoch_checkpoint_and_another_layout(cluster_env, reference, tmp_
     codes, output = finish_all(procs, timeout=60)
     assert codes[0] != 0 and codes[1] != 0, output
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: {checkpoint} stopped inside epoch 2 with 2 processes x 32 samples per step; resume it "
-                      f"with that global batch (now 2 x 16) or from an end-of-epoch checkpoint"], output
+    assert errors == [f"error: {checkpoint} stopped inside epoch 2 with 2 processes x 32 samples per step, --seed 0 and "
+                      "6000 training samples; resume it with the same global batch, seed and data (now 2 x 16, 0, 6000) "
+                      "or from an end-of-epoch checkpoint"], output
     assert checkpoint.read_bytes() == mid_epoch  # refused before anything was trained or saved
+
+    procs = start_05([*SYNTHETIC, "--batch-size", "32", "--seed", "1", "--epochs", "2", "--checkpoint",
+                      str(checkpoint)], cluster_env)  # another seed: step N would mean other samples
+    codes, output = finish_all(procs, timeout=60)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert codes[0] != 0 and len(errors) == 1 and "now 2 x 32, 1, 6000" in errors[0], output
+    assert checkpoint.read_bytes() == mid_epoch
+
+    for other in ("01_single_gpu", "02_dataparallel", "03_ddp_mpspawn", "04_ddp_torchrun"):  # they cannot skip steps
+        result = run_step(other, [*SYNTHETIC, *batch_args(other), "--epochs", "2", "--checkpoint", str(checkpoint)],
+                          tmp_path)
+        errors = [line for line in (result.output + result.stderr).splitlines() if line.startswith("error:")]
+        assert result.returncode != 0 and errors == [  # torchrun adds its own report of the failed process
+            f"error: {checkpoint} stopped inside epoch 2; resume it with the step that wrote it (05 or 06), or start "
+            "from a checkpoint saved at the end of an epoch"], (other, result)
+        assert checkpoint.read_bytes() == mid_epoch
 
     procs = start_05([*SYNTHETIC, "--batch-size", "64", "--epochs", "2", "--checkpoint", str(checkpoint)],
                      cluster_env, world_size=1)
@@ -265,7 +291,7 @@ def test_06_local_preemption_requeues_and_resumes(cluster_env, ladder, tmp_path,
             break
     else:
         pytest.fail(f"in {ATTEMPTS} attempts the signal never stopped epoch 2 after its first step:\n{log}")
-    assert stopped.group(1) == "2" and "Requeued job" in log, log
+    assert stopped.group(1) == "2" and f"exit code {REQUEUE_CODE} to be requeued" in log, log
     assert f"after epoch 1 step {stopped.group(2)}" in log, log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
     resumed, uninterrupted = weights(checkpoint), weights(ladder("06_ddp_submitit").final)
@@ -274,7 +300,7 @@ def test_06_local_preemption_requeues_and_resumes(cluster_env, ladder, tmp_path,
 
 def test_05_a_signal_during_evaluation_stops_the_job(cluster_env, reference, tmp_path):
     """Rank 1 signals itself during epoch 2's evaluation (at its 1001st test sample; 1000 per rank and
-    epoch), rank 0 gets nothing: both stop there, rank 0 saves the epoch as trained and requeues; the
+    epoch), rank 0 gets nothing: both stop there, rank 0 saves the epoch as trained, both exit to be requeued; the
     resumed run trains no step, evaluates, and prints epoch 2's line with the uninterrupted run's loss."""
     checkpoint = tmp_path / "ckpt.pt"
     signal_on_rank_1 = lambda **kw: cluster_env(**kw, **(  # noqa: E731
@@ -282,10 +308,10 @@ def test_05_a_signal_during_evaluation_stops_the_job(cluster_env, reference, tmp
     procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "2", "--checkpoint", str(checkpoint)],
                      signal_on_rank_1)
     codes, output = finish_all(procs, timeout=60)
-    assert codes == [0, 0], output
+    assert codes == [REQUEUE_CODE] * 2, output
     assert "stopped at epoch 2 step 94 on SIGUSR2" in output and "epoch 2/2 |" not in output, output  # 94 steps
     assert "epoch 1/2 |" in output, output
-    assert cluster_env.requeues() == ["requeue 4242"], output
+    assert cluster_env.requeues() == [], output
 
     procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "2", "--checkpoint", str(checkpoint)], cluster_env)
     codes, output = finish_all(procs, timeout=60)
@@ -295,6 +321,22 @@ def test_05_a_signal_during_evaluation_stops_the_job(cluster_env, reference, tmp
     [uninterrupted] = [line for line in reference.run2.output.splitlines() if line.startswith("epoch 2/2 |")]
     assert resumed.split("|")[1:3] == uninterrupted.split("|")[1:3], (resumed, uninterrupted)  # loss, accuracy
     assert max_abs_diff(weights(checkpoint), weights(reference.epoch2)) <= TOLERANCE
+
+
+def test_05_without_a_checkpoint_a_stop_ends_the_run_and_asks_for_no_requeue(cluster_env, tmp_path):
+    """Without --checkpoint there is nothing to resume from: SIGUSR2 (rank 1 signals itself at its 3500th
+    training sample, in epoch 2) ends the run with one line that says so and exit code 0, so that submit.sh
+    requeues nothing (a requeued job would start over)."""
+    signal_on_rank_1 = lambda **kw: cluster_env(**kw, **(  # noqa: E731
+        {"TEST_SIGNAL_AT_FETCH": "6000:3500"} if kw["SLURM_PROCID"] == "1" else {}))
+    procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "2"], signal_on_rank_1, cwds=[tmp_path] * 2)
+    codes, output = finish_all(procs, timeout=60)
+    assert codes == [0, 0], output
+    stops = [line for line in output.splitlines() if line.startswith("stopped at")]
+    assert len(stops) == 1 and re.fullmatch(r"stopped at epoch 2 step \d+ on SIGUSR2: no --checkpoint, so nothing is "
+                                            r"saved and the job is not requeued \(it would start over\)", stops[0]), output
+    assert "epoch 1/2 |" in output and "epoch 2/2 |" not in output and cluster_env.requeues() == [], output
+    assert not list(tmp_path.glob("*.pt")), list(tmp_path.iterdir())
 
 
 class SlowData(Dataset):
@@ -321,21 +363,21 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
     try:
         model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10))  # steps of well under 1 ms
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        module.STOP["requested"] = False
-        (_, samples), stopped_at = module.train_one_epoch(model, DataLoader(SlowData(0, 4000), batch_size=4),
-                                                          optimizer, torch.device("cpu"), 0, 0)
+        module.STOP.clear()
+        (_, samples), stopped_at, _ = module.train_one_epoch(model, DataLoader(SlowData(0, 4000), batch_size=4),
+                                                             optimizer, torch.device("cpu"), 0, 0)
         assert stopped_at is None and samples == 4000
         assert len(checks) < 40, len(checks)  # 1000 cheap steps: a few checks, not one every 10 steps
 
         checks.clear()
         loader = DataLoader(SlowData(0.05, 400), batch_size=4)  # 0.2 s a step: 10 steps take 2 s
-        timer = threading.Timer(2.0, lambda: module.STOP.update(requested=True))
+        timer = threading.Timer(2.0, lambda: module.STOP.update(signal=signal.SIGUSR2))
         timer.start()
         requested = time.monotonic() + 2.0
-        (_, samples), stopped_at = module.train_one_epoch(model, loader, optimizer, torch.device("cpu"), 0, 0)
+        (_, samples), stopped_at, signum = module.train_one_epoch(model, loader, optimizer, torch.device("cpu"), 0, 0)
         timer.cancel()
-        assert stopped_at is not None and 0 < samples < 400, (stopped_at, samples)
+        assert stopped_at is not None and 0 < samples < 400 and signum == signal.SIGUSR2, (stopped_at, samples)
         assert checks[-1] - requested < 0.5 + 0.25, [round(t - requested, 2) for t in checks]  # one interval + a step
     finally:
-        module.STOP["requested"] = False
+        module.STOP.clear()
         dist.destroy_process_group()

@@ -52,45 +52,55 @@ def trainers_and_workers(log_path, is_trainer):
 
 def check(trainers, count, workers_per_loader, log):
     """count training processes on n1 and n2; each may run on CPUS cores, and its threads and its workers
-    fit in them (counted per loader: the training and the evaluation loaders' workers take turns)."""
+    fit in them (counted per loader: the training and the evaluation loaders' workers take turns). Without
+    --workers a loader has CPUS // 2 workers; with it, that many, and the threads shrink or grow to match."""
     summary = [(t["host"], t["cores"], t["omp"], len(t["workers"])) for t in trainers]
     print(f"training processes (host, cores, OMP_NUM_THREADS, workers): {summary}")
     assert len(trainers) == count and {t["host"] for t in trainers} == {"n1", "n2"}, (summary, log)
     for trainer in trainers:
         assert len(trainer["cores"]) == CPUS, (summary, log)  # the task's cores (here also without srun -c)
         assert len(trainer["workers"]) == 2 * workers_per_loader, (summary, log)
-        assert int(trainer["omp"]) + workers_per_loader == CPUS, (summary, log)  # nothing runs on top
+        assert int(trainer["omp"]) == max(1, CPUS - workers_per_loader), (summary, log)  # nothing runs on top
         assert all(worker["cores"] == trainer["cores"] for worker in trainer["workers"]), (summary, log)
 
 
-def test_submit_sh_05_fits_threads_and_workers_in_the_task_cores(slurm, cores_env, reference, tmp_path):
-    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS,
-                                      "--checkpoint", f"{tmp_path}/ckpt.pt"],
+WORKERS = {"default": ([], 1), "--workers 0": (["--workers", "0"], 0), "--workers=2": (["--workers=2"], 2)}
+
+
+@pytest.mark.parametrize("workers", ["default", "--workers=2"])
+def test_submit_sh_05_fits_threads_and_workers_in_the_task_cores(slurm, cores_env, reference, tmp_path, workers):
+    flags, per_loader = WORKERS[workers]
+    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, *flags, "--checkpoint", f"{tmp_path}/ckpt.pt"],
                      sbatch_args=[f"--cpus-per-task={CPUS}"], env=cores_env)
     job_id = job_id_of(proc)
     assert finish(proc, 180) == 0
     log = read(tmp_path / f"ddp-slurm-{job_id}.out")
     trainers = trainers_and_workers(cores_env["TEST_CORES_LOG"], lambda cmd: "05_ddp_slurm/train.py" in cmd)
-    check(trainers, 2, 1, log)
+    check(trainers, 2, per_loader, log)
     assert max_abs_diff(weights(tmp_path / "ckpt.pt"), weights(reference.epoch1)) <= TOLERANCE
 
 
-def test_submit_sh_04_fits_threads_and_workers_in_the_node_cores(slurm, cores_env, reference, tmp_path):
+@pytest.mark.parametrize("workers", ["default", "--workers 0"])
+def test_submit_sh_04_fits_threads_and_workers_in_the_node_cores(slurm, cores_env, reference, tmp_path, workers):
     """One process per node here (NPROC_PER_NODE=1), so that it has both of the task's cores to split."""
-    job = Job(tmp_path, [*TRAIN_ARGS, "--checkpoint", f"{tmp_path}/ckpt.pt"],
+    flags, per_loader = WORKERS[workers]
+    job = Job(tmp_path, [*TRAIN_ARGS, *flags, "--checkpoint", f"{tmp_path}/ckpt.pt"],
               cpus=CPUS, env={**cores_env, "NPROC_PER_NODE": "1"})
     assert job.finish(180) == 0, job.details()
     is_trainer = lambda cmd: "04_ddp_torchrun/train.py" in cmd and "torch.distributed.run" not in cmd  # not the agent
     trainers = trainers_and_workers(cores_env["TEST_CORES_LOG"], is_trainer)
-    check(trainers, 2, 1, job.log())
+    check(trainers, 2, per_loader, job.log())
     assert max_abs_diff(weights(tmp_path / "ckpt.pt"), weights(reference.epoch1)) <= TOLERANCE
 
 
-def test_submitit_fits_threads_and_workers_in_the_task_cores(slurm, cores_env, reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", ["default", "--workers 0"])
+def test_submitit_fits_threads_and_workers_in_the_task_cores(slurm, cores_env, reference, tmp_path, monkeypatch,
+                                                             workers):
+    flags, per_loader = WORKERS[workers]
     for name, value in cores_env.items():
         monkeypatch.setenv(name, value)  # launch_06 passes this process's environment on, and so the job's
-    proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS,
-                                               "--cpus-per-task", str(CPUS), "--checkpoint", f"{tmp_path}/ckpt.pt"])
+    proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, *flags, "--cpus-per-task", str(CPUS),
+                                               "--checkpoint", f"{tmp_path}/ckpt.pt"])
     try:
         out, err = proc.communicate(timeout=180)
     except BaseException:
@@ -98,5 +108,5 @@ def test_submitit_fits_threads_and_workers_in_the_task_cores(slurm, cores_env, r
         raise
     assert proc.returncode == 0, out + err
     trainers = trainers_and_workers(cores_env["TEST_CORES_LOG"], lambda cmd: "submitit.core._submit" in cmd)
-    check(trainers, 2, 1, out + err)  # --workers left to its default: half of --cpus-per-task
+    check(trainers, 2, per_loader, out + err)
     assert max_abs_diff(weights(tmp_path / "ckpt.pt"), weights(reference.epoch1)) <= TOLERANCE
