@@ -139,11 +139,10 @@ def load_checkpoint(path, model, optimizer):
     """Restore model and optimizer from path if it exists; returns where it left off ({"epoch": ...}), or None.
     The file is mapped, not read into memory: its tensors are copied once, into the model and the optimizer
     on this process's device, and nothing else of it is kept."""
-    if not os.path.exists(path):
-        return None
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
-    optimizer.load_state_dict(state.pop("optimizer"))
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if os.path.exists(path) else None
+    if state is not None:
+        model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
+        optimizer.load_state_dict(state.pop("optimizer"))
     return state
 
 

@@ -2,10 +2,9 @@
 
 Run:  bash 04_ddp_torchrun/run.sh --epochs 3 --checkpoint ckpt.pt   (--dataset synthetic needs no download)
 
-Changed since 03: torchrun, not the script, starts one process per GPU and gives each its RANK,
-LOCAL_RANK, WORLD_SIZE and rendezvous address, on one node or on many (run.sh shows both). When a
-process fails, torchrun restarts them all (--max-restarts) and they resume from --checkpoint.
-The global batch is --batch-size x world size.
+Changed since 03: torchrun starts one process per GPU, on one node or many (run.sh shows both), and
+gives each its RANK, LOCAL_RANK, WORLD_SIZE and rendezvous address. When a process fails, torchrun
+restarts them all (--max-restarts) and they resume from --checkpoint.
 """
 import argparse
 import os
@@ -150,19 +149,19 @@ def save_checkpoint(path, model, optimizer, epoch):
 def load_checkpoint(path, model, optimizer, group):
     """Restore model and optimizer from path if it exists; returns where it left off ({"epoch": ...}), or None.
     The file is mapped, not read into memory: its tensors are copied once, into the model and the optimizer
-    on this process's device, and nothing else of it is kept. DDP: every rank maps the file itself (the ranks
-    of a node share its pages), and rank 0's view decides: a rank that sees no file or another one (its node's
-    view of shared storage lags behind) stops every rank with one line, rather than train from another state."""
+    on this process's device, and nothing else of it is kept. DDP: every rank maps the file (a node's ranks
+    share its pages), and rank 0's view decides: if a rank sees no file or another one, as where a node's view
+    of shared storage lags behind, every rank stops, with one line, rather than train from different states."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if os.path.exists(path) else None
     position = state and {key: value for key, value in state.items() if key not in ("model", "optimizer")}
     rank0s = [position]
     dist.broadcast_object_list(rank0s, group=group)  # DDP: rank 0's position (a few numbers) to every rank
-    differ = torch.tensor([position != rank0s[0]])
-    dist.all_reduce(differ, group=group)  # DDP: how many ranks see another checkpoint than rank 0
+    differ = torch.tensor(int(position != rank0s[0]))
+    dist.all_reduce(differ, group=group)  # DDP: so that every rank knows whether one differs
     if differ:
-        where = lambda p: f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file"  # noqa: E731
-        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {where(position)} at {path}, rank 0 "
-                 f"{where(rank0s[0])}: start again once every node sees rank 0's file" if position != rank0s[0] else 1)
+        seen = [f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file" for p in (position, rank0s[0])]
+        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {seen[0]} at {path}, rank 0 "
+                 f"{seen[1]}: start again once every node sees rank 0's file" if position != rank0s[0] else 1)
     if state is not None:
         model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
         optimizer.load_state_dict(state.pop("optimizer"))
@@ -173,20 +172,12 @@ def setup(rank, local_rank, world_size, timeout, store=None):
     """DDP: pick this process's device and join the process group (through store, which only 03 passes, or
     the MASTER_ADDR and MASTER_PORT of the environment); returns the device."""
     if torch.cuda.is_available():
-        # DDP: one process per GPU. The task sees all of its node's GPUs (take the local rank's) or, where the
-        # site binds one GPU per task (--gpus-per-task, --gpu-bind, a container), only its own, as cuda:0.
-        visible = torch.cuda.device_count()
-        if local_rank >= visible and visible != 1:
-            sys.exit(f"error: local rank {local_rank} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
-                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each task all of its node's GPUs "
-                     "or exactly one, and start one process per GPU")
-        device, backend = torch.device("cuda", local_rank if local_rank < visible else 0), "nccl"
+        device, backend = torch.device("cuda", local_rank), "nccl"  # DDP: one process per GPU of the node
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
     # DDP: a collective fails after timeout seconds without every rank, and the launcher then ends the others.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     facts = (f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} pid {os.getpid()} "
              f"device {device} backend {backend} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     print(facts + "\n", end="", flush=True)  # one write, so that the ranks' lines do not interleave
@@ -195,22 +186,22 @@ def setup(rank, local_rank, world_size, timeout, store=None):
 
 def train(args, rank, world_size, device):
     is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
-    # DDP: while rank 0 alone works (download, writing a checkpoint) the others wait in this group,
-    # which allows at least an hour, as that work can outlast --collective-timeout. Gloo: on the CPU, no GPU memory.
+    # DDP: the others wait here while rank 0 alone works (a download, a checkpoint), which can take longer than
+    # --collective-timeout: this group allows at least an hour (Gloo, on the CPU: it takes no GPU memory).
     rank0_work = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, args.collective_timeout)))
     if not is_main:  # DDP: rank 0 loads the data first, downloading what is missing; the others once it has
         dist.barrier(group=rank0_work)
     train_set, test_set = load_datasets(args)
     if is_main:
         dist.barrier(group=rank0_work)
-    # DDP: each rank takes every world_size-th index of the epoch's order, which depends only on --seed
-    # and the epoch (set below); a few repeats pad it so that all ranks take the same number of steps.
+    # DDP: each rank takes every world_size-th index of the epoch's order (set by --seed and the epoch, below);
+    # a few repeats pad it so that all ranks take the same number of steps.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
     # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.
-    test_subset = Subset(test_set, range(rank, len(test_set), world_size))
-    test_loader = DataLoader(test_subset, batch_size=args.test_batch_size, **loader_args)
+    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)),
+                             batch_size=args.test_batch_size, **loader_args)
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)

@@ -1,11 +1,11 @@
-"""Step 05: DDP under Slurm: srun starts the processes, and a preempted job requeues itself.
+"""Step 05: DDP under Slurm: srun starts the processes, and a stopped job goes back to the queue.
 
 Run:  sbatch 05_ddp_slurm/submit.sh --epochs 3   (from the repository root; see submit.sh for CPU runs)
 
-Changed since 04: srun starts one task per GPU on every node and the script reads its place from
-SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS; submit.sh sets the rendezvous address. Before the
-time limit Slurm sends SIGUSR2: all ranks stop at the same step, rank 0 saves the position in the
-epoch and requeues the job, and the requeued job resumes at that step.
+Changed since 04: srun starts one task per GPU on every node, each reading its place from SLURM_PROCID,
+SLURM_LOCALID and SLURM_NTASKS. On SIGUSR2 (before the time limit) or SIGTERM (a preemption, scancel),
+all ranks stop at one step and rank 0 saves the position in the epoch; submit.sh then requeues the job,
+which resumes at that step.
 """
 import argparse
 import multiprocessing.resource_tracker
@@ -117,11 +117,11 @@ class ResumableSampler(DistributedSampler):
         return max(0, super().__len__() - self.start)
 
 
-STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # SLURM: the time-limit warning; preemption and scancel
-STOP = {}  # SLURM: {"signal": the first stop signal this process has had}, set by the handler
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # SLURM: the time-limit warning; a preemption or scancel
+STOP = {}  # SLURM: {"signal": the first stop signal this process had}, set by the handler
 STOP_CHECK_SECONDS = 2  # SLURM: the ranks agree on stopping about this often (a collective that waits for the GPU)
-STOP_LEAD_SECONDS = 120  # SLURM: the warning's lead in submit.sh (--signal=USR2@120); a stop must take well under it
-STOPPED = 144  # SLURM: the exit code of a run that saved and stopped on a signal: submit.sh requeues it (06 too)
+STOP_LEAD_SECONDS = 120  # SLURM: how long before the time limit Slurm warns (--signal=USR2@120)
+STOPPED = 144  # SLURM: the exit code of tasks that stopped and saved; the batch script then requeues the job
 
 
 def signalled():
@@ -130,9 +130,8 @@ def signalled():
 
 
 def stop_requested(device, since, started):
-    """SLURM: a collective; returns (the stop signal any rank has had, else 0; the slowest rank's seconds since
-    `since`, and since `started`), the same on every rank, so that all stop (or save) at the same step and plan
-    the next check alike."""
+    """SLURM: a collective; returns the same on every rank, so that all stop (or save) at one step and plan the
+    next check alike: the stop signal a rank has had (else 0), the slowest rank's seconds since since and started."""
     state = torch.tensor([float(signalled()), time.monotonic() - since, time.monotonic() - started], device=device)
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
     signum, seconds, running = state.tolist()
@@ -140,10 +139,9 @@ def stop_requested(device, since, started):
 
 
 def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start_step=0, save_every=0):
-    """One pass over loader, whose sampler starts at batch start_step; returns ([sum of losses, samples] over
-    all ranks, None, 0), or the same until the step at which all ranks stopped: for a save, save_every seconds
-    after the start (0: never), or on a stop signal, which comes last. Every log_interval steps (0: never) it
-    prints the mean loss and the speed since the line before."""
+    """One pass over loader, whose sampler starts at batch start_step; returns ([sum of losses, samples] over all
+    ranks, None, 0), or those until the step at which all ranks stopped, save_every seconds after the start (0:
+    never) or on a stop signal, which comes last. Every log_interval steps (0: never) it prints a progress line."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
     logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
@@ -205,19 +203,19 @@ def save_checkpoint(path, model, optimizer, epoch, **position):
 def load_checkpoint(path, model, optimizer, group):
     """Restore model and optimizer from path if it exists; returns where it left off ({"epoch": ...}), or None.
     The file is mapped, not read into memory: its tensors are copied once, into the model and the optimizer
-    on this process's device, and nothing else of it is kept. DDP: every rank maps the file itself (the ranks
-    of a node share its pages), and rank 0's view decides: a rank that sees no file or another one (its node's
-    view of shared storage lags behind) stops every rank with one line, rather than train from another state."""
+    on this process's device, and nothing else of it is kept. DDP: every rank maps the file (a node's ranks
+    share its pages), and rank 0's view decides: if a rank sees no file or another one, as where a node's view
+    of shared storage lags behind, every rank stops, with one line, rather than train from different states."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if os.path.exists(path) else None
     position = state and {key: value for key, value in state.items() if key not in ("model", "optimizer")}
     rank0s = [position]
     dist.broadcast_object_list(rank0s, group=group)  # DDP: rank 0's position (a few numbers) to every rank
-    differ = torch.tensor([position != rank0s[0]])
-    dist.all_reduce(differ, group=group)  # DDP: how many ranks see another checkpoint than rank 0
+    differ = torch.tensor(int(position != rank0s[0]))
+    dist.all_reduce(differ, group=group)  # DDP: so that every rank knows whether one differs
     if differ:
-        where = lambda p: f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file"  # noqa: E731
-        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {where(position)} at {path}, rank 0 "
-                 f"{where(rank0s[0])}: start again once every node sees rank 0's file" if position != rank0s[0] else 1)
+        seen = [f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file" for p in (position, rank0s[0])]
+        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {seen[0]} at {path}, rank 0 "
+                 f"{seen[1]}: start again once every node sees rank 0's file" if position != rank0s[0] else 1)
     if state is not None:
         model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
         optimizer.load_state_dict(state.pop("optimizer"))
@@ -228,20 +226,19 @@ def setup(rank, local_rank, world_size, timeout, store=None):
     """DDP: pick this process's device and join the process group (through store, which only 03 passes, or
     the MASTER_ADDR and MASTER_PORT of the environment); returns the device."""
     if torch.cuda.is_available():
-        # DDP: one process per GPU. The task sees all of its node's GPUs (take the local rank's) or, where the
-        # site binds one GPU per task (--gpus-per-task, --gpu-bind, a container), only its own, as cuda:0.
+        # SLURM: a task sees all of its node's GPUs (it takes its local rank's) or, where the site binds one GPU
+        # to each task (--gpus-per-task, --gpu-bind, a container), only its own, as cuda:0.
         visible = torch.cuda.device_count()
         if local_rank >= visible and visible != 1:
             sys.exit(f"error: local rank {local_rank} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
                      f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each task all of its node's GPUs "
-                     "or exactly one, and start one process per GPU")
-        device, backend = torch.device("cuda", local_rank if local_rank < visible else 0), "nccl"
+                     "or exactly one, and start one task per GPU")
+        device, backend = torch.device("cuda", local_rank if visible > 1 else 0), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
     # DDP: a collective fails after timeout seconds without every rank, and the launcher then ends the others.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
     facts = (f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} pid {os.getpid()} "
              f"device {device} backend {backend} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     print(facts + "\n", end="", flush=True)  # one write, so that the ranks' lines do not interleave
@@ -250,31 +247,31 @@ def setup(rank, local_rank, world_size, timeout, store=None):
 
 def train(args, rank, world_size, device):
     is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
-    # DDP: while rank 0 alone works (download, writing a checkpoint) the others wait in this group,
-    # which allows at least an hour, as that work can outlast --collective-timeout. Gloo: on the CPU, no GPU memory.
+    # DDP: the others wait here while rank 0 alone works (a download, a checkpoint), which can take longer than
+    # --collective-timeout: this group allows at least an hour (Gloo, on the CPU: it takes no GPU memory).
     rank0_work = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, args.collective_timeout)))
     if not is_main:  # DDP: rank 0 loads the data first, downloading what is missing; the others once it has
         dist.barrier(group=rank0_work)
     train_set, test_set = load_datasets(args)
     if is_main:
         dist.barrier(group=rank0_work)
-    # DDP: each rank takes every world_size-th index of the epoch's order, which depends only on --seed
-    # and the epoch (set below); a few repeats pad it so that all ranks take the same number of steps.
+    # DDP: each rank takes every world_size-th index of the epoch's order (set by --seed and the epoch, below);
+    # a few repeats pad it so that all ranks take the same number of steps.
     sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
     # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.
-    test_subset = Subset(test_set, range(rank, len(test_set), world_size))
-    test_loader = DataLoader(test_subset, batch_size=args.test_batch_size, **loader_args)
+    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)),
+                             batch_size=args.test_batch_size, **loader_args)
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     position = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
     start_epoch = position["epoch"] if position else 0
-    # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then. The step
-    # means the same samples under any layout of the same global batch, --seed and training set: the epoch's
-    # order depends only on the seed and the set's size, and is split by rank.
+    # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then. A step means
+    # the same samples under any layout of the same global batch, --seed and training set (the order is split by
+    # rank), so those must match.
     start_step, done = 0, [0, 0]
     if position and position.get("step"):
         start_step, done = position["step"], position["totals"]
@@ -337,35 +334,29 @@ def train(args, rank, world_size, device):
 
 
 def report_stop(is_main, checkpoint, epoch, step, signum, seconds):
-    """SLURM: rank 0 says where the run stopped, on which signal, and how long the save took; returns the exit code:
-    STOPPED, for submit.sh to requeue the job, or 0 without a checkpoint (the requeued job would start over)."""
-    if is_main and not checkpoint:
-        print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: no --checkpoint, so nothing "
-              "is saved and the job is not requeued (it would start over)", flush=True)
-    elif is_main:
-        print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: saved in {seconds:.1f} s, "
-              f"exit code {STOPPED} to be requeued", flush=True)
-        if STOP_CHECK_SECONDS + seconds > STOP_LEAD_SECONDS / 2:  # a stop that outlasts the lead is killed: TIMEOUT
-            print(f"warning: a stop takes up to {STOP_CHECK_SECONDS} s until the ranks check for it and "
-                  f"{seconds:.0f} s to save, more than half of the {STOP_LEAD_SECONDS} s by which Slurm's warning "
-                  "(--signal) comes before the time limit: give it a longer lead, and check that a preempting "
-                  "partition's GraceTime is long enough too", flush=True)
+    """SLURM: rank 0 says where the run stopped, on which signal and how long saving took; returns the exit code:
+    STOPPED, for the batch script to requeue the job, or 0 without a checkpoint (it would start over)."""
+    if is_main:
+        print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: " + (
+            f"saved in {seconds:.1f} s, exit code {STOPPED} to be requeued" if checkpoint else
+            "no --checkpoint, so nothing is saved and the job is not requeued (it would start over)"), flush=True)
+    if is_main and checkpoint and STOP_CHECK_SECONDS + seconds > STOP_LEAD_SECONDS / 2:  # past the lead: killed
+        print(f"warning: a stop takes up to {STOP_CHECK_SECONDS} s until the ranks check for it and {seconds:.0f} s "
+              f"to save, more than half of the {STOP_LEAD_SECONDS} s by which Slurm's warning (--signal) comes before "
+              "the time limit: give it a longer lead, and a preempting partition a long enough GraceTime", flush=True)
     return STOPPED if checkpoint else 0
 
 
 def main():
-    # SLURM: Slurm sends SIGUSR2 before the time limit (submit.sh asks for it) and SIGTERM to preempt or cancel
-    # the job, to every process of the task, the data-loader workers too. Workers started by forkserver (Python
-    # 3.14's default) or spawn do not inherit a handler and would die of them. So this thread also blocks them:
-    # every thread and process started from here on inherits the block and keeps the signal pending, where
-    # signalled() finds it; a data-loader stops its workers through its queues, not by signal. Threads started
-    # before (a BLAS pool) do not block them: the handler takes them there. Both come first in main(); only while
-    # Python starts and imports torch, seconds after the job starts, would a signal kill the task at once.
+    # SLURM: Slurm sends SIGUSR2 before the time limit and SIGTERM to preempt or cancel the job, to every process
+    # of the task: data-loader workers started by forkserver (Python 3.14's default) or spawn would die of it. So
+    # this thread blocks both, first thing: every process and thread started later inherits the block and keeps
+    # them pending, where signalled() finds them (a thread started before takes them in the handler).
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     # CPython unblocks SIGTERM in the thread that starts multiprocessing's resource tracker, as the first worker
-    # started by forkserver or spawn would: so it starts here, inheriting the block, and SIGTERM is blocked again.
+    # started by forkserver or spawn would: so it starts now, inheriting the block, which is then set again.
     multiprocessing.resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     args = parse_args()

@@ -9,13 +9,13 @@ import torch
 from conftest import SYNTHETIC, Result, child_env, load_step_module, run, submitit_logs
 
 
-@pytest.mark.parametrize("step", ["03_ddp_mpspawn", "05_ddp_slurm"])  # setup() is the same in 03 to 06
-@pytest.mark.parametrize("visible, local_rank, expected", [
-    (4, 2, "cuda:2"),  # --gpus-per-node: every task sees the node's 4 GPUs and takes its local rank's
-    (1, 3, "cuda:0"),  # --gpus-per-task=1, --gpu-bind or a container: the task sees only its own GPU
-    (1, 0, "cuda:0"),
-    (2, 3, None),      # 2 GPUs visible to local rank 3: no GPU of its own; one clear line
-])
+@pytest.mark.parametrize("step, visible, local_rank, expected", [
+    ("03_ddp_mpspawn", 4, 2, "cuda:2"),  # 03 and 04: one process per GPU of the node, by its local rank
+    ("05_ddp_slurm", 4, 2, "cuda:2"),  # --gpus-per-node: every task sees the node's 4 GPUs, takes its local rank's
+    ("05_ddp_slurm", 1, 3, "cuda:0"),  # --gpus-per-task=1, --gpu-bind or a container: the task sees its GPU alone
+    ("05_ddp_slurm", 1, 0, "cuda:0"),
+    ("05_ddp_slurm", 2, 3, None),      # 2 GPUs visible to local rank 3: no GPU of its own; one clear line
+])  # setup() is the same in 03 and 04, and in 05 and 06
 def test_each_process_finds_its_gpu(monkeypatch, capsys, step, visible, local_rank, expected):
     module = load_step_module(step)
     calls = {}
@@ -30,11 +30,11 @@ def test_each_process_finds_its_gpu(monkeypatch, capsys, step, visible, local_ra
         with pytest.raises(SystemExit) as stopped:
             module.setup(5, local_rank, 8, 600)
         assert str(stopped.value) == ("error: local rank 3 sees 2 GPUs (CUDA_VISIBLE_DEVICES=0,1): give each task "
-                                      "all of its node's GPUs or exactly one, and start one process per GPU")
+                                      "all of its node's GPUs or exactly one, and start one task per GPU")
         assert not calls
         return
     device = module.setup(5, local_rank, 8, 600)
-    assert str(device) == calls["set_device"] == str(calls["device_id"]) == expected
+    assert str(device) == calls["set_device"] == expected
     assert (calls["backend"], calls["rank"], calls["world_size"]) == ("nccl", 5, 8)
     assert calls["timeout"].total_seconds() == 600  # --collective-timeout reaches the process group
     printed = capsys.readouterr().out
