@@ -74,10 +74,10 @@ def load_datasets(args):
     These two are decoded and normalised into memory once; yours may read each sample from disk instead."""
     if args.dataset == "synthetic":  # each class is a fixed random pattern under noise, the same everywhere
         generator = torch.Generator().manual_seed(1234)
-        patterns = torch.randn(10, 1, 28, 28, generator=generator)
-        labels = torch.randint(0, 10, (8_000,), generator=generator)
+        patterns = 2 * torch.randn(10, 1, 28, 28, generator=generator)
+        labels = torch.randint(0, 10, (4_000,), generator=generator)
         images = patterns[labels] + torch.randn(len(labels), 1, 28, 28, generator=generator)
-        return TensorDataset(images[:6_000], labels[:6_000]), TensorDataset(images[6_000:], labels[6_000:])
+        return TensorDataset(images[:3_200], labels[:3_200]), TensorDataset(images[3_200:], labels[3_200:])
     download_mnist(args.data_dir)
     from torchvision import datasets
     splits = [datasets.MNIST(args.data_dir, train=train) for train in (True, False)]

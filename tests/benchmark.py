@@ -35,7 +35,7 @@ EPOCH_LINE = re.compile(r"^epoch (\d+)/\d+ \|.* \| (\d+) samples/s \|", re.M)
 
 def parse_args():
     parser = argparse.ArgumentParser(description="Benchmark the steps of the ladder on this machine.")
-    parser.add_argument("--epochs", type=int, default=5, help="epochs per run; the first is not counted")
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per run; the first is not counted")
     parser.add_argument("--rounds", type=int, default=3, help="times every configuration runs, interleaved")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
     parser.add_argument("--workers", type=int, help="data-loader workers per process (default: the steps' own, 0)")

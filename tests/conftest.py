@@ -2,6 +2,7 @@
 what it printed and compare the weights in its checkpoints. Every process has a time limit."""
 import importlib.util
 import os
+import pickle
 import re
 import select
 import shutil
@@ -15,11 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = ["01_single_gpu", "02_dataparallel", "03_ddp_mpspawn", "04_ddp_torchrun", "05_ddp_slurm", "06_ddp_submitit"]
 SYNTHETIC = ["--dataset", "synthetic", "--workers", "0"]
 GLOBAL_BATCH = 64  # the same in every step: 64 in one process, 2 x 32 with two ranks
+STEPS_PER_EPOCH = 50  # the synthetic set's 3200 training samples in steps of the global batch
+TEST_SAMPLES = 800  # its test set
 TOLERANCE = 1e-5  # max abs difference between weights that the steps must meet
 EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+) \| train loss ([\d.]+) \| test acc ([\d.]+)% \((\d+)/(\d+)\) "
                         r"\| (\d+) samples/s \| ([\d.]+) s$", re.M)
@@ -114,19 +118,19 @@ def submitit_logs(log_dir):
     return "".join(p.read_text() for p in files)
 
 
-def run_step(step, args, tmp_path, timeout=120):
-    """Runs one step on the CPU: 01 and 02 in one process, 03 to 06 with two ranks."""
+def run_step(step, args, tmp_path, timeout=120, **env):
+    """Runs one step on the CPU: 01 and 02 in one process, 03 to 06 with two ranks (env: more variables)."""
     if step in ("01_single_gpu", "02_dataparallel"):
-        return run([sys.executable, f"{step}/train.py", *args], timeout)
+        return run([sys.executable, f"{step}/train.py", *args], timeout, env=child_env(**env))
     if step == "03_ddp_mpspawn":
-        return run([sys.executable, f"{step}/train.py", "--world-size", "2", *args], timeout)
+        return run([sys.executable, f"{step}/train.py", "--world-size", "2", *args], timeout, env=child_env(**env))
     if step == "04_ddp_torchrun":
-        return run(["bash", f"{step}/run.sh", *args], timeout, env=child_env(NPROC_PER_NODE="2"))
+        return run(["bash", f"{step}/run.sh", *args], timeout, env=child_env(NPROC_PER_NODE="2", **env))
     if step == "05_ddp_slurm":
         return run_slurm_tasks(args, timeout=timeout)
     log_dir = Path(tmp_path) / f"submitit-{time.monotonic_ns()}"
     result = run([sys.executable, f"{step}/train.py", "--local", "--tasks-per-node", "2", "--log-dir",
-                  str(log_dir), *args], timeout)
+                  str(log_dir), *args], timeout, env=child_env(**env))
     result.output += submitit_logs(log_dir)
     return result
 
@@ -153,17 +157,40 @@ def load_step_module(step, path=None):
     return module
 
 
+def pytest_collection_modifyitems(items):
+    """The Slurm tests first: under pytest-xdist (-n 3 --dist loadgroup, pytest.ini) they run in one group, on one
+    worker, mostly waiting for the scheduler, while the other workers take the rest."""
+    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: the files' order otherwise
+
+
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory):
+def shared(tmp_path_factory, worker_id):
+    """once(name, compute): compute(folder) once for the whole run, whichever pytest-xdist worker asks first (the
+    others wait for it and get its result, pickled), so that runs many tests read are not made once per worker."""
+    root = tmp_path_factory.getbasetemp()
+    root = (root.parent if worker_id != "master" else root) / "shared"
+    root.mkdir(exist_ok=True)
+
+    def once(name, compute):
+        folder, result = root / name, root / f"{name}.pickle"
+        with FileLock(str(root / f"{name}.lock")):
+            if not result.exists():
+                folder.mkdir()
+                result.write_bytes(pickle.dumps(compute(folder)))
+        return pickle.loads(result.read_bytes())
+    return once
+
+
+@pytest.fixture(scope="session")
+def reference(shared):
     """Single-process runs of step 01 that the others are compared with: one epoch (its checkpoint is
     copied aside) and two epochs without interruption."""
-    folder = tmp_path_factory.mktemp("reference")
-    one = run([sys.executable, "01_single_gpu/train.py", *SYNTHETIC, *batch_args("01_single_gpu"), "--epochs", "1",
-               "--checkpoint", str(folder / "one.pt")])
-    two = run([sys.executable, "01_single_gpu/train.py", *SYNTHETIC, *batch_args("01_single_gpu"), "--epochs", "2",
-               "--checkpoint", str(folder / "two.pt")])
-    assert one.returncode == 0 and two.returncode == 0, (one, two)
-    return Namespace(epoch1=folder / "one.pt", epoch2=folder / "two.pt", run1=one, run2=two)
+    def compute(folder):
+        runs = [run([sys.executable, "01_single_gpu/train.py", *SYNTHETIC, *batch_args("01_single_gpu"), "--epochs",
+                     str(epochs), "--checkpoint", str(folder / f"{epochs}.pt")]) for epochs in (1, 2)]
+        assert all(result.returncode == 0 for result in runs), runs
+        return Namespace(epoch1=folder / "1.pt", epoch2=folder / "2.pt", run1=runs[0], run2=runs[1])
+    return shared("reference", compute)
 
 
 def copy(src, dst):
@@ -171,24 +198,45 @@ def copy(src, dst):
     return Path(dst)
 
 
-@pytest.fixture(scope="session")
-def ladder(reference, tmp_path_factory):
-    """runs(step): one epoch with a checkpoint, then the same command with --epochs 2, which resumes, and
-    with progress lines every 30 steps."""
-    cache = {}
+# Between choosing the rendezvous port and binding it, another program may take it. This one tries, just
+# before mp.spawn starts the ranks (a sitecustomize on PYTHONPATH puts it there): 03's first ladder run.
+THIEF = '''
+import os, socket, torch.multiprocessing as mp
+spawn = mp.spawn
+def spawn_after_a_thief(*args, **kwargs):
+    thief = socket.socket()
+    try:
+        thief.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+        thief.listen()
+        print("thief took the port", flush=True)
+    except OSError:
+        print("thief found the port taken", flush=True)
+    return spawn(*args, **kwargs)
+mp.spawn = spawn_after_a_thief
+'''
+# A shell inside an allocation, or one that ran torchrun before, has these set: 06's first ladder run starts there.
+STALE_RENDEZVOUS = dict(MASTER_ADDR="10.255.255.1", MASTER_PORT="1", RANK="7", WORLD_SIZE="9", LOCAL_RANK="3",
+                        LOCAL_WORLD_SIZE="4")
 
+
+@pytest.fixture(scope="session")
+def ladder(reference, shared):
+    """runs(step): one epoch with a checkpoint, then the same command with --epochs 2, which resumes, and
+    with progress lines every 15 steps. 03's first run has a thief after its port, 06's starts from a shell
+    with stale rendezvous variables (test_launch.py)."""
     def runs(step):
-        if step not in cache:
-            folder = tmp_path_factory.mktemp(step)
+        def compute(folder):
             checkpoint = folder / "ckpt.pt"
             args = [*SYNTHETIC, *batch_args(step), "--checkpoint", str(checkpoint)]
             if step == "01_single_gpu":  # the reference is this very run
                 first = reference.run1
                 copy(reference.epoch1, checkpoint)
             else:
-                first = run_step(step, [*args, "--epochs", "1"], folder)
+                (folder / "sitecustomize.py").write_text(THIEF)  # found by 03's run, on its PYTHONPATH
+                env = {"06_ddp_submitit": STALE_RENDEZVOUS, "03_ddp_mpspawn": {"PYTHONPATH": str(folder)}}.get(step, {})
+                first = run_step(step, [*args, "--epochs", "1"], folder, **env)
             epoch1 = copy(checkpoint, folder / "epoch1.pt")
-            second = run_step(step, [*args, "--epochs", "2", "--log-interval", "30"], folder)
-            cache[step] = Namespace(first=first, second=second, epoch1=epoch1, final=checkpoint)
-        return cache[step]
+            second = run_step(step, [*args, "--epochs", "2", "--log-interval", "15"], folder)
+            return Namespace(first=first, second=second, epoch1=epoch1, final=checkpoint)
+        return shared(f"ladder-{step}", compute)
     return runs

@@ -1,4 +1,6 @@
-"""Wrong launches and bad arguments end at once, with a clear one-line error and a non-zero exit."""
+"""Wrong launches and bad arguments end at once, with a clear one-line error and a non-zero exit. Bad arguments are
+checked by each step's own parse_args in this process (argparse prints the line and exits 2); the wrong launches,
+and one bad argument, by running the script as a user would."""
 import os
 import sys
 import tempfile
@@ -7,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import STEPS, child_env, run
+from conftest import STEPS, child_env, load_step_module, run
 
 PY = sys.executable
 NO_SLURM = {name: "" for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_JOB_ID")}
@@ -17,15 +19,35 @@ FAKE_SLURM = Path(tempfile.mkdtemp(prefix="fake-slurm-"))  # an `srun` on the PA
 (FAKE_SLURM / "srun").chmod(0o755)
 ON_A_LOGIN_NODE = {"PATH": f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}"}
 
+# (what is wrong, step, its arguments, the flag the one error line must name)
+BAD_ARGUMENTS = [
+    *[(f"{step} --epochs 0", step, ["--epochs", "0"], "--epochs") for step in STEPS],
+    ("--lr -1", "01_single_gpu", ["--lr", "-1"], "--lr"),
+    ("--batch-size x", "02_dataparallel", ["--batch-size", "x"], "--batch-size"),
+    ("--test-batch-size 0", "05_ddp_slurm", ["--test-batch-size", "0"], "--test-batch-size"),
+    ("--save-every -1", "06_ddp_submitit", ["--save-every", "-1"], "--save-every"),
+    ("--dataset imagenet", "01_single_gpu", ["--dataset", "imagenet"], "--dataset"),
+    ("--world-size 0", "03_ddp_mpspawn", ["--world-size", "0"], "--world-size"),
+    ("--nodes 0", "06_ddp_submitit", ["--nodes", "0"], "--nodes"),
+    ("--local on 2 nodes", "06_ddp_submitit", ["--local", "--nodes", "2"], "--local"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS, ids=[case[0] for case in BAD_ARGUMENTS])
+def test_bad_arguments_give_one_line(case, monkeypatch, capsys):
+    _, step, argv, flag = case
+    module = load_step_module(step)
+    monkeypatch.setattr(sys, "argv", [f"{step}/train.py", *argv])
+    with pytest.raises(SystemExit) as exited:
+        module.parse_args()
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert exited.value.code == 2 and len(errors) == 1 and flag in errors[0], err
+
+
 # (what is wrong, command, extra environment, exit code, text the one error line must hold)
-CASES = [
-    *[(f"{step} --epochs 0", [PY, f"{step}/train.py", "--epochs", "0"], {}, 2, "--epochs") for step in STEPS],
-    ("--lr -1", [PY, "01_single_gpu/train.py", "--lr", "-1"], {}, 2, "--lr"),
-    ("--batch-size x", [PY, "02_dataparallel/train.py", "--batch-size", "x"], {}, 2, "--batch-size"),
-    ("--dataset imagenet", [PY, "01_single_gpu/train.py", "--dataset", "imagenet"], {}, 2, "--dataset"),
-    ("--world-size 0", [PY, "03_ddp_mpspawn/train.py", "--world-size", "0"], {}, 2, "--world-size"),
-    ("--nodes 0", [PY, "06_ddp_submitit/train.py", "--nodes", "0"], {}, 2, "--nodes"),
-    ("--local on 2 nodes", [PY, "06_ddp_submitit/train.py", "--local", "--nodes", "2"], {}, 2, "--local"),
+WRONG_LAUNCHES = [
+    ("01 --epochs 0, as a user runs it", [PY, "01_single_gpu/train.py", "--epochs", "0"], {}, 2, "--epochs"),
     ("06 on Slurm without --gpus-per-node", [PY, "06_ddp_submitit/train.py", "--nodes", "2"], ON_A_LOGIN_NODE, 2,
      "--gpus-per-node"),
     ("04 without torchrun", [PY, "04_ddp_torchrun/train.py"], {"LOCAL_RANK": ""}, 1, "torchrun"),
@@ -45,10 +67,10 @@ def launch(case):
 @pytest.fixture(scope="module")
 def results():
     with ThreadPoolExecutor(2) as pool:  # two at a time: each is mostly torch's import
-        return dict(zip([case[0] for case in CASES], pool.map(launch, CASES)))
+        return dict(zip([case[0] for case in WRONG_LAUNCHES], pool.map(launch, WRONG_LAUNCHES)))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
+@pytest.mark.parametrize("case", WRONG_LAUNCHES, ids=[case[0] for case in WRONG_LAUNCHES])
 def test_clear_one_line_error(results, case):
     name, _, _, code, must_hold = case
     result = results[name]

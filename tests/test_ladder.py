@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import STEPS, SYNTHETIC, TOLERANCE, batch_args, max_abs_diff, run, weights
+from conftest import STEPS, STEPS_PER_EPOCH, SYNTHETIC, TEST_SAMPLES, TOLERANCE, batch_args, max_abs_diff, run, weights
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -21,7 +21,7 @@ def test_step_trains_and_prints_once_per_epoch(ladder, step):
     assert runs.second.output.count("resumed from") == 1
     assert second["loss"] < 0.8 * first["loss"], (first, second)  # the loss falls
     assert first["acc"] > 50 and second["acc"] > first["acc"] - 1, (first, second)  # chance is 10%
-    assert first["total"] == second["total"] == 2000  # every test sample counted once
+    assert first["total"] == second["total"] == TEST_SAMPLES  # every test sample counted once
     assert first["samples_per_s"] > 0
     if step not in ("01_single_gpu", "02_dataparallel"):
         # every rank shows its launch facts once, and all agree on the world size and rendezvous
@@ -37,18 +37,18 @@ PROGRESS_LINE = re.compile(r"^epoch (\d+) step (\d+)/(\d+) \| loss ([\d.]+)( \(r
 
 @pytest.mark.parametrize("step", STEPS)
 def test_progress_lines_inside_an_epoch(ladder, step):
-    """--log-interval 30 in the resumed run's epoch 2, 94 steps of the global batch: a line at steps 30, 60 and
-    90, each once (two printing ranks would print it twice), before the epoch line, with rank 0's falling loss;
+    """--log-interval 15 in the resumed run's epoch 2, 50 steps of the global batch: a line at steps 15, 30 and
+    45, each once (two printing ranks would print it twice), before the epoch line, with rank 0's falling loss;
     in the first run the default (200) prints none."""
     runs = ladder(step)
     lines = PROGRESS_LINE.findall(runs.second.output)
-    assert [(int(epoch), int(at), int(steps)) for epoch, at, steps, *_ in lines] == [(2, 30, 94), (2, 60, 94),
-                                                                                   (2, 90, 94)], runs.second
+    assert [(int(epoch), int(at), int(steps)) for epoch, at, steps, *_ in lines] == [
+        (2, at, STEPS_PER_EPOCH) for at in (15, 30, 45)], runs.second
     losses = [float(loss) for _, _, _, loss, *_ in lines]
     assert losses == sorted(losses, reverse=True) and losses[0] < runs.first.epochs()[0]["loss"], losses
     distributed = step not in ("01_single_gpu", "02_dataparallel")
     assert all(bool(marker) == distributed and int(speed) > 0 for *_, marker, speed in lines), lines
-    assert runs.second.output.index("step 90/94") < runs.second.output.index("epoch 2/2 |")
+    assert runs.second.output.index(f"step 45/{STEPS_PER_EPOCH}") < runs.second.output.index("epoch 2/2 |")
     assert not PROGRESS_LINE.search(runs.first.output), runs.first
 
 
@@ -66,7 +66,7 @@ def test_all_steps_compute_the_same_weights(ladder, reference):
     diffs = {step: max_abs_diff(weights(ladder(step).epoch1), single) for step in STEPS}
     print("max abs difference to 01 after one epoch:", {s: f"{d:.1e}" for s, d in diffs.items()})
     assert diffs["01_single_gpu"] == 0
-    assert diffs["02_dataparallel"] == 0  # on a CPU, 02 runs the plain model
+    assert diffs["02_dataparallel"] == 0  # on a CPU, 02 runs the plain model: another process, the same seed
     assert all(diff <= TOLERANCE for diff in diffs.values()), diffs
     assert any(diff > 0 for diff in diffs.values())  # DDP really ran: it adds gradients in another order
 
@@ -79,15 +79,13 @@ def test_resumed_runs_end_like_an_uninterrupted_one(ladder, reference):
         assert max_abs_diff(weights(ladder(step).final), uninterrupted) <= TOLERANCE, step
 
 
-def test_the_seed_decides_the_run(reference, tmp_path):
-    """--seed reaches the initial weights and the data order: the same seed repeats a run exactly (the
-    reference run, repeated), another seed gives another run."""
-    runs = {}
-    for seed in ("0", "1"):
-        result = run([sys.executable, "01_single_gpu/train.py", *SYNTHETIC, *batch_args("01_single_gpu"),
-                      "--epochs", "1", "--seed", seed, "--checkpoint", str(tmp_path / f"{seed}.pt")])
-        assert result.returncode == 0, result
-        runs[seed] = weights(tmp_path / f"{seed}.pt")
-    same = weights(reference.epoch1)
-    assert all(torch.equal(runs["0"][k], same[k]) for k in same)
-    assert max_abs_diff(runs["1"], same) > 0.01
+def test_the_seed_decides_the_run(ladder, reference, tmp_path):
+    """--seed reaches the initial weights and the data order: the same seed repeats a run exactly (02's first
+    epoch, another process, equals 01's bit for bit, as test_all_steps_compute_the_same_weights asserts), and
+    another seed gives another run."""
+    result = run([sys.executable, "01_single_gpu/train.py", *SYNTHETIC, *batch_args("01_single_gpu"), "--epochs", "1",
+                  "--seed", "1", "--checkpoint", str(tmp_path / "1.pt")])
+    assert result.returncode == 0, result
+    same, other = weights(reference.epoch1), weights(tmp_path / "1.pt")
+    assert all(torch.equal(weights(ladder("02_dataparallel").epoch1)[k], same[k]) for k in same)
+    assert max_abs_diff(other, same) > 0.01

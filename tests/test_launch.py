@@ -1,12 +1,10 @@
 """How each process finds its GPU and its rendezvous. setup() of 03-06 under the layouts that real sites give
 a task (all of its node's GPUs, or one bound to it), with CUDA and the process group replaced by recorders,
 and 03's rendezvous port, which no other program can take."""
-import sys
-
 import pytest
 import torch
 
-from conftest import SYNTHETIC, Result, child_env, load_step_module, run, submitit_logs
+from conftest import STALE_RENDEZVOUS, load_step_module
 
 
 @pytest.mark.parametrize("step, visible, local_rank, expected", [
@@ -41,42 +39,21 @@ def test_each_process_finds_its_gpu(monkeypatch, capsys, step, visible, local_ra
     assert f"rank 5/8 local_rank {local_rank} " in printed and f" device {expected} backend nccl " in printed, printed
 
 
-# Between choosing the rendezvous port and binding it, another program may take it. This one tries, just
-# before mp.spawn starts the ranks (a sitecustomize on PYTHONPATH puts it there).
-THIEF = '''
-import os, socket, torch.multiprocessing as mp
-spawn = mp.spawn
-def spawn_after_a_thief(*args, **kwargs):
-    thief = socket.socket()
-    try:
-        thief.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
-        thief.listen()
-        print("thief took the port", flush=True)
-    except OSError:
-        print("thief found the port taken", flush=True)
-    return spawn(*args, **kwargs)
-mp.spawn = spawn_after_a_thief
-'''
+def test_03_holds_its_rendezvous_port_from_the_start(ladder):
+    """A program that tries to take 03's port just before mp.spawn starts the ranks (THIEF in conftest.py, in
+    03's first ladder run) finds it taken, and the run goes on."""
+    first = ladder("03_ddp_mpspawn").first
+    assert "thief found the port taken" in first.output, first
+    assert first.returncode == 0 and len(first.epochs()) == 1, first
 
 
-def test_03_holds_its_rendezvous_port_from_the_start(tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(THIEF)
-    result = run([sys.executable, "03_ddp_mpspawn/train.py", "--world-size", "2", *SYNTHETIC, "--epochs", "1"],
-                 env=child_env(PYTHONPATH=str(tmp_path)))
-    assert "thief found the port taken" in result.output, result
-    assert result.returncode == 0 and len(result.epochs()) == 1, result
-
-
-def test_06_submits_from_a_shell_that_has_rendezvous_variables(tmp_path):
+def test_06_submits_from_a_shell_that_has_rendezvous_variables(ladder):
     """A shell inside an allocation, or one that ran torchrun before, has MASTER_ADDR, RANK and the like set,
-    and Slurm passes them on to the job: the job's own values replace them."""
-    stale = dict(MASTER_ADDR="10.255.255.1", MASTER_PORT="1", RANK="7", WORLD_SIZE="9", LOCAL_RANK="3",
-                 LOCAL_WORLD_SIZE="4")
-    result = run([sys.executable, "06_ddp_submitit/train.py", "--local", "--tasks-per-node", "2", "--log-dir",
-                  str(tmp_path), *SYNTHETIC, "--epochs", "1"], env=child_env(**stale))
-    logs = submitit_logs(tmp_path)
-    assert result.returncode == 0, result.output + result.stderr + logs
-    launches = Result(0, logs, "", 0).launches()  # (rank, world size, local rank, host, pid, device, backend, ...)
+    and Slurm passes them on to the job: 06's first ladder run starts from such a shell (STALE_RENDEZVOUS in
+    conftest.py), and the job's own values replace them."""
+    first = ladder("06_ddp_submitit").first
+    assert first.returncode == 0, first
+    launches = first.launches()  # (rank, world size, local rank, host, pid, device, backend, addr, port)
     assert sorted((launch[0], launch[1], launch[2]) for launch in launches) == [("0", "2", "0"), ("1", "2", "1")]
-    assert all(launch[7] != stale["MASTER_ADDR"] and launch[8] != "1" for launch in launches), logs
-    assert len(Result(0, logs, "", 0).epochs()) == 1, logs
+    assert all(launch[7] != STALE_RENDEZVOUS["MASTER_ADDR"] and launch[8] != "1" for launch in launches), first
+    assert len(first.epochs()) == 1, first

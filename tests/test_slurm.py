@@ -19,7 +19,7 @@ from conftest import (REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env,
 from test_failures import ended_or_told_to
 from test_preemption import SITECUSTOMIZE
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 CLUSTER = REPO / "tests" / "slurm_cluster.sh"
 LAYOUTS = {"1x2": (1, 2), "2x1": (2, 1)}  # nodes x tasks per node
 NODE_CPUS = 2  # what slurm_cluster.sh gives each node. Tasks are bound to cores, and both nodes share this
@@ -175,43 +175,6 @@ def test_submit_sh(submit_sh_runs, reference, layout):
     assert int(launches[0][8]) == 20000 + run["job_id"] % 12000  # where the search for a free port starts
     assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
     assert accounted_runs(run["job_id"]) == ["COMPLETED"]  # what the site's accounting keeps of it
-
-
-def test_submit_sh_preemption_requeues_and_resumes(slurm, submit_sh_runs, reference, tmp_path):
-    """SIGUSR2 (what submit.sh asks Slurm to send before the time limit) in epoch 2: every rank stops at
-    one step, rank 0 saves it and requeues; the requeued job resumes there and ends as if never stopped."""
-    for attempt in range(ATTEMPTS):
-        folder = tmp_path / f"attempt{attempt}"
-        folder.mkdir()
-        # One data-loader worker per rank: Slurm signals every process of the step, the workers too.
-        proc = sbatch_05(folder, 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2",
-                                        "--checkpoint", f"{folder}/ckpt.pt"])
-        job_id = job_id_of(proc)
-        log_path = folder / f"ddp-slurm-{job_id}.out"
-        details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"
-        wait_for(lambda: "epoch 1/2 |" in read(log_path), 120, "epoch 1", details)
-        subprocess.run(["scancel", "--signal=USR2", str(job_id)])  # fails if the job has already ended
-        signalled = time.monotonic()
-        outcome = wait_for(lambda: STOP_OR_END.search(read(log_path)), 120, "a stop or the end", details)
-        if outcome.group(1) == "stopped at":
-            break
-        assert finish(proc, 120) == 0, details()  # the signal came after epoch 2's last stop check
-    else:
-        pytest.fail(f"in {ATTEMPTS} jobs the signal never arrived inside epoch 2")
-    wait_for(lambda: "resumed from" in read(log_path), 120, "the requeued job to resume", details)
-    requeue_to_resume = time.monotonic() - signalled
-    assert finish(proc, 120) == 0
-    log = read(log_path)
-    print(f"05 requeue to resume: {requeue_to_resume:.1f} s (attempt {attempt + 1})")
-    stopped = re.search(r"^stopped at epoch 2 step (\d+) on SIGUSR2: saved in [\d.]+ s, exit code 144", log, re.M)
-    assert stopped and int(stopped.group(1)) > 0, log
-    assert f"job {job_id}: its tasks stopped and saved: requeueing it" in log, log  # submit.sh, on the host
-    assert f"after epoch 1 step {stopped.group(1)}" in log and "restart 1:" in log, log
-    assert [line for line in log.splitlines() if line.startswith("epoch ")][-1].startswith("epoch 2/2")
-    assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
-    resumed, uninterrupted = weights(f"{folder}/ckpt.pt"), weights(submit_sh_runs["2x1"]["checkpoint"])
-    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bit for bit, same layout
-    assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
 
 
 WINDOWS = 2  # time-limit warnings in one job
@@ -464,42 +427,6 @@ def test_submitit_on_slurm(submitit_runs, reference, layout):
     check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
     assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
     assert "sacct error" not in run["err"], run["err"]  # submitit's state polling worked: no guessing
-
-
-def test_submitit_preemption_requeues_and_resumes(slurm, submitit_runs, reference, tmp_path):
-    """The same through submitit: our handler stops all ranks at one step, then submitit's own calls
-    Trainer.checkpoint() and requeues; the launcher's wait spans the requeue."""
-    for attempt in range(ATTEMPTS):
-        folder = tmp_path / f"attempt{attempt}"
-        proc = launch_06(folder / "logs", 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2",
-                                                 "--checkpoint", f"{folder}/ckpt.pt"])
-        deadline = time.monotonic() + 60
-        submitted = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission")
-        job_id = submitted.group(1)
-        rank0_log = lambda: read(next(iter((folder / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
-        details = lambda: (f"--- task logs\n{submitit_logs(folder / 'logs')}\n--- launcher exit\n{proc.poll()}\n"
-                           f"--- scontrol\n{job_state(job_id)}")
-        wait_for(lambda: "epoch 1/2 |" in rank0_log(), 120, "epoch 1", details)
-        subprocess.run(["scancel", "--signal=USR2", job_id])  # fails if the job has already ended
-        signalled = time.monotonic()
-        outcome = wait_for(lambda: STOP_OR_END.search(rank0_log()), 120, "a stop or the end", details)
-        if outcome.group(1) == "stopped at":
-            break
-        assert finish(proc, 120) == 0, details()  # the signal came after epoch 2's last stop check
-    else:
-        pytest.fail(f"in {ATTEMPTS} jobs the signal never arrived inside epoch 2")
-    wait_for(lambda: "resumed from" in rank0_log(), 120, "the requeued job to resume", details)
-    requeue_to_resume = time.monotonic() - signalled
-    assert finish(proc, 120) == 0, proc.stderr.read()
-    log = rank0_log()
-    print(f"06 requeue to resume: {requeue_to_resume:.1f} s (attempt {attempt + 1})")
-    stopped = re.search(r"^stopped at epoch 2 step (\d+) on SIGUSR2: saved in [\d.]+ s, exit code 144", log, re.M)
-    assert stopped and int(stopped.group(1)) > 0, log
-    assert f"after epoch 1 step {stopped.group(1)}" in log, log
-    assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
-    resumed, uninterrupted = weights(f"{folder}/ckpt.pt"), weights(submitit_runs["2x1"]["checkpoint"])
-    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
-    assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
 
 
 def test_submitit_preempted_by_a_higher_partition_resumes_at_its_step(slurm, submitit_runs, reference, tmp_path):

@@ -16,7 +16,7 @@ from conftest import TOLERANCE, max_abs_diff, weights
 from test_slurm import launch_06, read, sbatch_05, finish, job_id_of, slurm  # noqa: F401 (slurm: a fixture)
 from test_slurm_torchrun import Job
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 CPUS = 2  # per task, all the cores a node of the test cluster has
 TRAIN_ARGS = ["--dataset", "synthetic", "--batch-size", "32", "--epochs", "1"]  # --workers: the script's choice
 SITECUSTOMIZE = '''

@@ -12,7 +12,7 @@ import pytest
 from conftest import GLOBAL_BATCH, REPO, SYNTHETIC, TOLERANCE, Result, child_env, max_abs_diff, weights
 from test_slurm import job_id_of, job_state, read, slurm, squeue, wait_for  # noqa: F401 (slurm: a fixture)
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 NODES, NPROC = 2, 2  # what submit.sh gives a CPU node: two processes
 TRAIN_ARGS = [*SYNTHETIC, "--batch-size", str(GLOBAL_BATCH // (NODES * NPROC))]
 RENDEZVOUS = re.compile(r"^job (\d+) restart (\d+): .* rendezvous (\S+):(\d+)$", re.M)
