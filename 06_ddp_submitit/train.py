@@ -422,9 +422,9 @@ def main():
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min, slurm_partition=args.partition,
                                slurm_signal_delay_s=STOP_LEAD_SECONDS, slurm_additional_parameters={"requeue": True},
-                               # submitit: its srun does not pass --cpus-per-task on, which Slurm 22.05 to
-                               # 23.02 do not do by themselves: where tasks are bound, each gets one core.
-                               slurm_srun_args=["--kill-on-bad-exit=1", f"--cpus-per-task={args.cpus_per_task}"],
+                               # submitit: 05's srun options: --wait=10 ends the others 10 s after a task ends,
+                               # and --cpus-per-task, which Slurm 22.05 to 23.02 do not pass on by themselves.
+                               slurm_srun_args=["--wait=10", f"--cpus-per-task={args.cpus_per_task}"],
                                # submitit: the batch script's first lines, on the job's first node: the threads,
                                # and a port that no process there holds now, found as 05's submit.sh does.
                                slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",
