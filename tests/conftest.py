@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from filelock import FileLock
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,6 +156,30 @@ def load_step_module(step, path=None):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def train_in_process(step, argv, capsys):
+    """step's own parse_args(argv) and train() in this process, on the CPU, for what no launcher takes part in (a
+    checkpoint refused or resumed under a layout): from 03 on as rank 0 of a world of one, over a store in memory.
+    It costs no process start (torch's import is most of a short run's time). Returns (the exit code, or the
+    message that sys.exit was given, and what it printed)."""
+    module = load_step_module(step)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", [f"{step}/train.py", *argv])
+        args = module.parse_args()
+    capsys.readouterr()
+    try:
+        if step in ("01_single_gpu", "02_dataparallel"):
+            code = module.train(args, torch.device("cpu"))
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                code = module.train(args, 0, 1, torch.device("cpu"))
+            finally:
+                dist.destroy_process_group()
+    except SystemExit as exited:
+        code = exited.code
+    return code or 0, capsys.readouterr().out
 
 
 def pytest_collection_modifyitems(items):

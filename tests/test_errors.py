@@ -64,10 +64,13 @@ def launch(case):
     return run(cmd, timeout=60, env=env)
 
 
-@pytest.fixture(scope="module")
-def results():
-    with ThreadPoolExecutor(2) as pool:  # two at a time: each is mostly torch's import
-        return dict(zip([case[0] for case in WRONG_LAUNCHES], pool.map(launch, WRONG_LAUNCHES)))
+@pytest.fixture(scope="session")
+def results(shared):
+    """Every wrong launch once, whichever pytest-xdist worker asks first."""
+    def compute(folder):
+        with ThreadPoolExecutor(2) as pool:  # two at a time: each is mostly torch's import
+            return dict(zip([case[0] for case in WRONG_LAUNCHES], pool.map(launch, WRONG_LAUNCHES)))
+    return shared("wrong-launches", compute)
 
 
 @pytest.mark.parametrize("case", WRONG_LAUNCHES, ids=[case[0] for case in WRONG_LAUNCHES])

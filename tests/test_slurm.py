@@ -51,6 +51,38 @@ def slurm():
         subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
 
 
+# Records the cores of every training process and data-loader worker of a job (test_slurm_cores.py).
+CORES_SITECUSTOMIZE = '''
+import json, os, socket
+def _record(kind):
+    line = json.dumps(dict(kind=kind, host=socket.gethostname(), pid=os.getpid(), ppid=os.getppid(),
+                           cores=sorted(os.sched_getaffinity(0)), omp=os.environ.get("OMP_NUM_THREADS")))
+    with open(os.environ["TEST_CORES_LOG"], "a") as log:
+        log.write(line + "\\n")  # one short write in append mode: lines of several processes do not mix
+if os.environ.get("TEST_CORES_LOG"):
+    with open("/proc/self/cmdline", "rb") as cmdline:
+        cmd = " ".join(part.decode() for part in cmdline.read().split(b"\\0"))
+    # A training process of a job step: 04's (not torchrun's agent) and 05's train.py, 06's task (submitit's _submit).
+    if (os.environ.get("SLURM_STEP_ID") and ("train.py" in cmd or "submitit.core._submit" in cmd)
+            and "torch.distributed.run" not in cmd):
+        _record("trainer")
+        import torch.utils.data._utils.worker as _worker
+        _loop = _worker._worker_loop
+        def _recorded_loop(*args, **kwargs):  # what each data-loader worker runs first
+            _record("worker")
+            return _loop(*args, **kwargs)
+        _worker._worker_loop = _recorded_loop
+'''
+
+
+def cores_env(folder):
+    """The job environment that records the cores of every training process and worker in folder/cores.log."""
+    site = folder / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(CORES_SITECUSTOMIZE)
+    return dict(PYTHONPATH=str(site), TEST_CORES_LOG=str(folder / "cores.log"))
+
+
 def wait_for(predicate, timeout, what, details=lambda: ""):
     """Polls predicate until it returns something true; at the timeout fails with details()."""
     deadline = time.monotonic() + timeout
@@ -60,12 +92,6 @@ def wait_for(predicate, timeout, what, details=lambda: ""):
             return value
         time.sleep(0.1)
     pytest.fail(f"timed out after {timeout} s waiting for {what}\n{details()}")
-
-
-# On a busy machine the signal can reach the tasks after the last stop check of epoch 2 (it lasts about a
-# second); that job simply finishes, which is right, so the preemption tests then submit it again.
-STOP_OR_END = re.compile(r"^(stopped at|epoch 2/2 \|)", re.M)
-ATTEMPTS = 3
 
 
 def job_state(job_id):
@@ -152,18 +178,24 @@ def check_job_log(log, nodes, tasks, epochs):
 
 
 @pytest.fixture(scope="session")
-def submit_sh_runs(slurm, reference, tmp_path_factory):
-    """Each layout once, two epochs without interruption (also the reference for the preemption test)."""
-    runs = {}
-    for layout, (nodes, tasks) in LAYOUTS.items():
-        folder = tmp_path_factory.mktemp(f"submit_sh_{layout}")
-        start = time.monotonic()
-        proc = sbatch_05(folder, nodes, tasks, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"])
-        job_id = job_id_of(proc)
-        code = finish(proc, 180)
-        runs[layout] = dict(code=code, job_id=job_id, log=read(f"{folder}/ddp-slurm-{job_id}.out"),
-                            checkpoint=folder / "ckpt.pt", seconds=time.monotonic() - start)
-    return runs
+def submit_sh_runs(slurm, reference, shared):
+    """Each layout once, two epochs without interruption: the twins of the interrupted jobs below. The 2 x 1 job
+    also records its processes' cores (test_slurm_cores.py)."""
+    def compute(folder):
+        runs = {}
+        for layout, (nodes, tasks) in LAYOUTS.items():
+            (folder / layout).mkdir()
+            env = cores_env(folder / layout) if layout == "2x1" else {}
+            start = time.monotonic()
+            proc = sbatch_05(folder / layout, nodes, tasks, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint",
+                                                             f"{folder}/{layout}/ckpt.pt"], env=env)
+            job_id = job_id_of(proc)
+            code = finish(proc, 180)
+            runs[layout] = dict(code=code, job_id=job_id, log=read(f"{folder}/{layout}/ddp-slurm-{job_id}.out"),
+                                checkpoint=folder / layout / "ckpt.pt", seconds=time.monotonic() - start,
+                                cores_log=env.get("TEST_CORES_LOG"))
+        return runs
+    return shared("submit-sh-runs", compute)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -177,9 +209,6 @@ def test_submit_sh(submit_sh_runs, reference, layout):
     assert accounted_runs(run["job_id"]) == ["COMPLETED"]  # what the site's accounting keeps of it
 
 
-WINDOWS = 2  # time-limit warnings in one job
-
-
 def python_without_slurm(folder):
     """A `python` whose tasks find no Slurm command, as in a container image without a Slurm client: it runs
     this interpreter with nothing but its own folder on PATH."""
@@ -189,34 +218,88 @@ def python_without_slurm(folder):
     return wrapper
 
 
-def test_submit_sh_requeues_at_each_time_limit_warning(slurm, submit_sh_runs, reference, tmp_path):
-    """Slurm's own warning before the time limit (submit.sh's --signal=USR2@120), in two runs of one job whose
-    tasks have no Slurm command on their PATH (PYTHON runs them so, as a container image without a Slurm client
-    would): each time every rank stops at one step, rank 0 saves, the tasks exit for a requeue, submit.sh (on
-    the host) requeues the job, and the job ends as if never stopped.
-    Slurm looks at time limits only every 30 s and this job trains for about 3 s, so once a run has made
-    progress the test freezes its tasks (SIGSTOP) and brings the limit near: at TimeLimit=2 (minutes) the
-    warning is due at once. Slurm sends SIGCONT just before the warning signal, which thaws the tasks. Once
-    the job is requeued the limit goes back to 10 minutes, so that no warning can reach the next run while
-    Python starts, before the handler is in place (it would kill the task)."""
+# After a stop, rank 1 takes 3 s longer than rank 0 to exit (atexit), longer than the test cluster's KillWait (2 s),
+# as a rank whose data-loader workers, NCCL or CUDA take a while to shut down would: srun must not end it early.
+SLOW_EXIT = "1:3"
+
+
+def start_methods_env(folder, methods):
+    """The environment of a job whose data-loader workers start by methods (one per rank, "forkserver,spawn") and
+    whose rank 1 is slow to exit."""
+    site = Path(folder) / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return {"PYTHONPATH": str(site), "TEST_START_METHOD": methods, "TEST_SLOW_EXIT": SLOW_EXIT}
+
+
+def high_job():
+    """A job of the partition high that needs all of both nodes for 2 s: it preempts what runs there."""
+    done = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=2", "--ntasks-per-node=1",
+                           f"--cpus-per-task={NODE_CPUS}", "--time=5", "--output=/dev/null", "--wrap", "sleep 2"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.strip())
+
+
+def sacct_times(job_id):
+    """(state, start, end) of each run of a job, oldest first, from accounting (ISO times sort as text)."""
+    done = subprocess.run(["sacct", "--duplicates", "--allocations", "--noheader", "--parsable2",
+                           "--format=State,Start,End", f"--jobs={job_id}"], capture_output=True, text=True, timeout=30)
+    return [tuple(line.split("|")) for line in done.stdout.splitlines()]
+
+
+def check_runs_between(low, high):
+    """Accounting shows the high job between two runs of the preempted job."""
+    [(high_state, high_start, high_end)] = sacct_times(high)
+    runs = sacct_times(low)
+    assert high_state == "COMPLETED" and any(
+        first[2] <= high_start <= high_end <= second[1] for first, second in zip(runs, runs[1:])), runs + [high_start]
+
+
+PROGRESS = re.compile(r"^epoch 2 step (\d+)/", re.M)  # --log-interval 5: a line every 5 steps
+
+
+def progress_past(log, step):
+    """Whether the log shows a progress line of epoch 2 past `step`."""
+    return any(int(at) > step for at in PROGRESS.findall(log))
+
+
+def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, reference, tmp_path):
+    """One 05 job stopped twice, as sites stop jobs, whose tasks have no Slurm command on their PATH (PYTHON runs
+    them so, as a container image without a Slurm client would), with a data-loader worker per loader, started by
+    forkserver (Python 3.14's default) in rank 0 and by spawn in rank 1:
+    - Slurm's own warning before the time limit (submit.sh's --signal=USR2@120), inside epoch 2;
+    - in the requeued run, a job of the partition high needs the nodes (PreemptMode=REQUEUE, GraceTime=10, no
+      SIGUSR2 first): every process of the tasks gets SIGTERM; Slurm would not requeue a job that ends inside
+      its grace time, so submit.sh (on the host) does.
+    Each time all ranks stop at one step, rank 0 saves, the tasks exit for a requeue, submit.sh requeues the job,
+    and it resumes at that step; it ends bit for bit as if never stopped, and accounting records each run.
+    Each stop is made certain to come inside epoch 2's training (it lasts about a second) by freezing the tasks
+    (SIGSTOP) once they print a progress line of it; Slurm sends SIGCONT just before its signal, which thaws them.
+    Slurm looks at time limits only every 30 s, so the test then brings the limit near: at TimeLimit=2 (minutes)
+    the warning is due at once. Once the job is requeued the limit goes back to 10 minutes, so that no warning can
+    reach the next run while Python starts, before the handler is in place (it would kill the task)."""
     start = time.monotonic()
-    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"],
-                     env={"PYTHON": str(python_without_slurm(tmp_path))})
+    env = {"PYTHON": str(python_without_slurm(tmp_path)), **start_methods_env(tmp_path, "forkserver,spawn")}
+    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2", "--log-interval", "5",
+                                      "--checkpoint", f"{tmp_path}/ckpt.pt"], env=env)
     job_id = job_id_of(proc)
     log_path = tmp_path / f"ddp-slurm-{job_id}.out"
-    details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"
+    details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"  # noqa: E731
     try:
-        for window in range(WINDOWS):
-            if window == 0:
-                wait_for(lambda: "epoch 1/2 |" in read(log_path), 120, "epoch 1", details)
-            else:
-                wait_for(lambda: read(log_path).count("resumed from") == window, 120, f"resume {window}", details)
-            control("scancel", "--signal=STOP", str(job_id))  # fails if the job has already ended
-            control("scontrol", "update", f"JobId={job_id}", "TimeLimit=2")
-            wait_for(lambda: len(STOP_LINE.findall(read(log_path))) > window, 120, f"Slurm's warning {window + 1}",
-                     details)
-            wait_for(lambda: squeue(job_id) in ("PENDING", "REQUEUED"), 60, f"requeue {window + 1}", details)
-            control("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
+        wait_for(lambda: progress_past(read(log_path), 0), 120, "epoch 2 under way", details)
+        control("scancel", "--signal=STOP", str(job_id))  # fails if the job has already ended
+        control("scontrol", "update", f"JobId={job_id}", "TimeLimit=2")
+        wait_for(lambda: len(STOP_LINE.findall(read(log_path))) == 1, 120, "Slurm's warning", details)
+        wait_for(lambda: squeue(job_id) in ("PENDING", "REQUEUED"), 60, "the requeue", details)
+        control("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
+
+        wait_for(lambda: RESUME_LINE.search(read(log_path)), 120, "the requeued run", details)
+        resumed_at = stops_and_resumes(read(log_path))[1][0][1]
+        wait_for(lambda: progress_past(read(log_path).split("resumed from")[1], resumed_at), 60, "its progress",
+                 details)
+        control("scancel", "--signal=STOP", str(job_id))
+        high = high_job()
         assert finish(proc, 180) == 0, details()
     except BaseException:
         subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=30)  # no frozen job left behind
@@ -224,16 +307,19 @@ def test_submit_sh_requeues_at_each_time_limit_warning(slurm, submit_sh_runs, re
     log = read(log_path)
     restarts = [int(n) for n in re.findall(rf"^job {job_id} restart (\d+):", log, re.M)]
     stops, resumes = stops_and_resumes(log)
-    print(f"05 through {WINDOWS} of Slurm's time-limit warnings: {time.monotonic() - start:.1f} s, restarts "
-          f"{restarts}, stopped at (epochs done, step) {stops}")
-    assert restarts == list(range(WINDOWS + 1)), log  # submit.sh's line, once per run
-    assert log.count(f"job {job_id}: its tasks stopped and saved: requeueing it") == WINDOWS, log
-    assert len(stops) == WINDOWS and resumes == stops, log  # each run goes on where the one before stopped
+    print(f"05 through a time limit and a preemption: {time.monotonic() - start:.1f} s, restarts {restarts}, "
+          f"stopped at (epochs done, step) {stops}")
+    assert restarts == [0, 1, 2], log  # submit.sh's line, once per run
+    assert log.count(f"job {job_id}: its tasks stopped and saved: requeueing it") == 2, log
+    assert len(stops) == 2 and resumes == stops and all(epoch == 1 and step > 0 for epoch, step in stops), log
+    assert re.findall(r"^stopped at epoch 2 step \d+ on (SIG\w+): saved in", log, re.M) == ["SIGUSR2", "SIGTERM"], log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
-    resumed, uninterrupted = weights(f"{tmp_path}/ckpt.pt"), weights(submit_sh_runs["2x1"]["checkpoint"])
-    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bit for bit, same layout
+    assert "killed by signal" not in log and "Traceback" not in log, log  # no data-loader worker died of a signal
+    resumed, uninterrupted = weights(tmp_path / "ckpt.pt"), weights(submit_sh_runs["2x1"]["checkpoint"])
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed), "not bit for bit"  # same layout
     assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
-    assert accounted_runs(job_id) == ["REQUEUED"] * WINDOWS + ["COMPLETED"]
+    assert accounted_runs(job_id) == ["REQUEUED", "REQUEUED", "COMPLETED"]
+    check_runs_between(job_id, high)
 
 
 def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
@@ -262,90 +348,21 @@ def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
         assert max_abs_diff(weights(f"{tmp_path}/{name}.pt"), weights(reference.epoch2)) <= TOLERANCE
 
 
-def forkserver_env(folder):
-    """The environment of a job whose data-loader workers start by forkserver, Python 3.14's default."""
-    site = Path(folder) / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return {"PYTHONPATH": str(site), "TEST_START_METHOD": "forkserver"}
-
-
-def high_job():
-    """A job of the partition high that needs all of both nodes for 2 s: it preempts what runs there."""
-    done = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=2", "--ntasks-per-node=1",
-                           f"--cpus-per-task={NODE_CPUS}", "--time=5", "--output=/dev/null", "--wrap", "sleep 2"],
-                          capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, done.stderr
-    return int(done.stdout.strip())
-
-
-def sacct_times(job_id):
-    """(state, start, end) of each run of a job, oldest first, from accounting (ISO times sort as text)."""
-    done = subprocess.run(["sacct", "--duplicates", "--allocations", "--noheader", "--parsable2",
-                           "--format=State,Start,End", f"--jobs={job_id}"], capture_output=True, text=True, timeout=30)
-    return [tuple(line.split("|")) for line in done.stdout.splitlines()]
-
-
-def check_preempted(log, low, high, uninterrupted, checkpoint):
-    """The low job stopped on SIGTERM inside epoch 2, resumed there after the high job, and ended bit for bit
-    like its uninterrupted twin; accounting shows the high job between the low job's two runs."""
-    stops, resumes = stops_and_resumes(log)
-    assert len(stops) == 1 and stops[0][0] == 1 and stops[0][1] > 0 and resumes == stops, log
-    assert re.search(r"^stopped at epoch 2 step \d+ on SIGTERM: saved in", log, re.M), log
-    assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
-    resumed, twin = weights(checkpoint), weights(uninterrupted)
-    assert all(torch.equal(resumed[k], twin[k]) for k in resumed), "not bit for bit"  # same layout
-    runs, [(high_state, high_start, high_end)] = accounted_runs(low), sacct_times(high)
-    assert runs == ["REQUEUED", "COMPLETED"] and high_state == "COMPLETED", (runs, high_state)
-    (_, _, first_end), (_, second_start, _) = sacct_times(low)
-    assert first_end <= high_start <= high_end <= second_start, sacct_times(low) + sacct_times(high)
-
-
-def test_submit_sh_preempted_by_a_higher_partition_resumes_at_its_step(slurm, submit_sh_runs, reference, tmp_path):
-    """As sites preempt (PreemptMode=REQUEUE, GraceTime=10, no SIGUSR2 first): a job of the partition high needs
-    the nodes of a running 05 job, whose tasks and data-loader workers (forkserver) get SIGTERM. All ranks stop
-    at one step inside epoch 2, rank 0 saves, the tasks exit for a requeue, submit.sh requeues the job (which
-    Slurm would not do for a job that ends inside its grace time), the high job runs, and the 05 job resumes at
-    that step and ends bit for bit as if never stopped."""
-    for attempt in range(ATTEMPTS):
-        folder = tmp_path / f"attempt{attempt}"
-        folder.mkdir()
-        proc = sbatch_05(folder, 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"],
-                         env=forkserver_env(folder))
-        job_id = job_id_of(proc)
-        log_path = folder / f"ddp-slurm-{job_id}.out"
-        details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"
-        wait_for(lambda: "epoch 1/2 |" in read(log_path), 120, "epoch 1", details)
-        high = high_job()
-        if wait_for(lambda: STOP_OR_END.search(read(log_path)), 120, "a stop or the end", details).group(1) == "stopped at":
-            break
-        assert finish(proc, 120) == 0, details()  # the high job came after epoch 2's last stop check
-    else:
-        pytest.fail(f"in {ATTEMPTS} jobs the preemption never came inside epoch 2")
-    assert finish(proc, 180) == 0, details()
-    check_preempted(read(log_path), job_id, high, submit_sh_runs["2x1"]["checkpoint"], folder / "ckpt.pt")
-
-
 def test_scancel_saves_the_step_and_a_new_job_resumes_there(slurm, submit_sh_runs, reference, tmp_path):
     """scancel of a running 05 job sends SIGTERM to its tasks and to submit.sh: the tasks stop and save the step
     they reached (within KillWait), but submit.sh ends at once and requeues nothing, so the job stays cancelled;
     a new job given that --checkpoint resumes at the step and ends bit for bit as if never stopped."""
     checkpoint = tmp_path / "ckpt.pt"
-    for attempt in range(ATTEMPTS):
-        folder = tmp_path / f"attempt{attempt}"
-        folder.mkdir()
-        checkpoint.unlink(missing_ok=True)
-        proc = sbatch_05(folder, 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", str(checkpoint)])
-        job_id = job_id_of(proc)
-        log_path = folder / f"ddp-slurm-{job_id}.out"
-        details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"
-        wait_for(lambda: "epoch 1/2 |" in read(log_path), 120, "epoch 1", details)
-        control("scancel", str(job_id))
-        finish(proc, 60)
-        if STOP_LINE.search(read(log_path)):
-            break
-    else:
-        pytest.fail(f"in {ATTEMPTS} jobs scancel never came inside epoch 2")
+    (tmp_path / "first").mkdir()  # Slurm does not create the folder of --output
+    proc = sbatch_05(tmp_path / "first", 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--log-interval", "5",
+                                                "--checkpoint", str(checkpoint)])
+    job_id = job_id_of(proc)
+    log_path = tmp_path / "first" / f"ddp-slurm-{job_id}.out"
+    details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"  # noqa: E731
+    wait_for(lambda: progress_past(read(log_path), 0), 120, "epoch 2 under way", details)
+    control("scancel", "--signal=STOP", str(job_id))  # inside epoch 2 for certain: Slurm sends SIGCONT first
+    control("scancel", str(job_id))
+    finish(proc, 60)
     log = read(log_path)
     [(epoch, step)] = stops_and_resumes(log)[0]
     assert epoch == 1 and step > 0 and "requeueing" not in log, log
@@ -404,18 +421,21 @@ def launch_06(log_dir, nodes, tasks, train_args, env=None):
 
 
 @pytest.fixture(scope="session")
-def submitit_runs(slurm, tmp_path_factory):
-    runs = {}
-    for layout, (nodes, tasks) in LAYOUTS.items():
-        folder = tmp_path_factory.mktemp(f"submitit_{layout}")
-        start = time.monotonic()
-        proc = launch_06(folder / "logs", nodes, tasks, [*TRAIN_ARGS, "--epochs", "2",
-                                                         "--checkpoint", f"{folder}/ckpt.pt"])
-        code = finish(proc, 180)
-        runs[layout] = dict(code=code, out=proc.stdout.read(), err=proc.stderr.read(),
-                            log=submitit_logs(folder / "logs"), checkpoint=folder / "ckpt.pt",
-                            seconds=time.monotonic() - start)
-    return runs
+def submitit_runs(slurm, shared):
+    """Each layout once, two epochs without interruption; the 2 x 1 job also records its processes' cores."""
+    def compute(folder):
+        runs = {}
+        for layout, (nodes, tasks) in LAYOUTS.items():
+            env = cores_env(folder) if layout == "2x1" else {}
+            start = time.monotonic()
+            proc = launch_06(folder / layout, nodes, tasks, [*TRAIN_ARGS, "--epochs", "2",
+                                                             "--checkpoint", f"{folder}/{layout}.pt"], env=env)
+            code = finish(proc, 180)
+            runs[layout] = dict(code=code, out=proc.stdout.read(), err=proc.stderr.read(),
+                                log=submitit_logs(folder / layout), checkpoint=folder / f"{layout}.pt",
+                                seconds=time.monotonic() - start, cores_log=env.get("TEST_CORES_LOG"))
+        return runs
+    return shared("submitit-runs", compute)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -429,74 +449,62 @@ def test_submitit_on_slurm(submitit_runs, reference, layout):
     assert "sacct error" not in run["err"], run["err"]  # submitit's state polling worked: no guessing
 
 
-def test_submitit_preempted_by_a_higher_partition_resumes_at_its_step(slurm, submitit_runs, reference, tmp_path):
-    """The same preemption for a job of 06 (its data-loader workers started by forkserver): the batch script's
-    teardown, on the host, requeues it, the launcher waits through it, and it ends bit for bit as if never
+TIMEOUTS = 3  # time-limit stops after the preemption: four stops, more than submitit's own requeue allows (3)
+
+
+def test_submitit_through_a_preemption_and_many_timeouts(slurm, submitit_runs, reference, tmp_path):
+    """One 06 job stopped again and again, with a data-loader worker per loader (forkserver in rank 0, spawn in
+    rank 1): first a job of the partition high preempts it inside epoch 2 (SIGTERM to every process of its tasks,
+    made certain to come inside training by freezing them first, as in the 05 test above), then its time limit
+    stops it TIMEOUTS times (SIGUSR2, as Slurm's warning sends it; once a run has resumed, when its handlers are in
+    place). Each time all ranks stop at one step, rank 0 saves, and the batch script's last line requeues the job,
+    with no cap; the launcher waits through every requeue and exits 0, and the job ends bit for bit as if never
     stopped."""
-    for attempt in range(ATTEMPTS):
-        folder = tmp_path / f"attempt{attempt}"
-        folder.mkdir()
-        proc = launch_06(folder / "logs", 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"],
-                         env=forkserver_env(folder))
-        deadline = time.monotonic() + 60
-        job_id = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission").group(1)
-        rank0_log = lambda: read(next(iter((folder / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
-        details = lambda: (f"--- task logs\n{submitit_logs(folder / 'logs')}\n--- launcher exit\n{proc.poll()}\n"
-                           f"--- scontrol\n{job_state(job_id)}")
-        wait_for(lambda: "epoch 1/2 |" in rank0_log(), 120, "epoch 1", details)
-        high = high_job()
-        if wait_for(lambda: STOP_OR_END.search(rank0_log()), 120, "a stop or the end", details).group(1) == "stopped at":
-            break
-        assert finish(proc, 120) == 0, details()
-    else:
-        pytest.fail(f"in {ATTEMPTS} jobs the preemption never came inside epoch 2")
-    assert finish(proc, 180) == 0, details()
-    check_preempted(rank0_log(), job_id, high, submitit_runs["2x1"]["checkpoint"], folder / "ckpt.pt")
-
-
-TIMEOUTS = 4  # more than submitit's own cap of 3, which its requeue (not used by 06) would enforce
-
-
-def test_submitit_requeues_after_many_timeouts(slurm, submitit_runs, reference, tmp_path):
-    """A job that its time limit stops again and again: each time all ranks stop at one step, rank 0 saves,
-    and the batch script's last line requeues the job, with no cap (submitit's own requeue fails the 4th
-    time-out). One signal per run, once the run has made progress: its handlers are in place once it prints
-    its launch line (first run) or where it resumed."""
     start = time.monotonic()
-    proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"])
+    proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2", "--log-interval", "5",
+                                               "--checkpoint", f"{tmp_path}/ckpt.pt"],
+                     env=start_methods_env(tmp_path, "forkserver,spawn"))
     deadline = time.monotonic() + 60
     job_id = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission").group(1)
     rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
     details = lambda: (f"--- task logs\n{submitit_logs(tmp_path / 'logs')}\n--- launcher exit\n{proc.poll()}\n"
                        f"--- scontrol\n{job_state(job_id)}")
 
-    def run_started(run):
-        log = rank0_log()
-        if re.search(r"^rank 0/2 ", log, re.M) if run == 1 else log.count("resumed from") == run - 1:
+    def resumed(runs):
+        if rank0_log().count("resumed from") == runs:
             return True
         if proc.poll() is not None:
-            pytest.fail(f"no run {run}: {proc.stderr.read()}\n{details()}")
+            pytest.fail(f"no run after {runs} resumes: {proc.stderr.read()}\n{details()}")
         return False
 
     try:
-        for stop in range(TIMEOUTS):
-            wait_for(lambda: run_started(stop + 1), 120, f"run {stop + 1}", details)
-            control("scancel", "--signal=USR2", job_id)  # fails if the job has already ended
+        wait_for(lambda: progress_past(rank0_log(), 0), 120, "epoch 2 under way", details)
+        control("scancel", "--signal=STOP", job_id)  # fails if the job has already ended
+        high = high_job()
+        for stop in range(1 + TIMEOUTS):
+            if stop:  # a time limit: once this run has resumed
+                wait_for(lambda: resumed(stop), 120, f"run {stop + 1}", details)
+                control("scancel", "--signal=USR2", job_id)
             wait_for(lambda: len(STOP_LINE.findall(rank0_log())) > stop, 60, f"stop {stop + 1}", details)
-        wait_for(lambda: run_started(TIMEOUTS + 1), 120, f"run {TIMEOUTS + 1}", details)
+        wait_for(lambda: resumed(1 + TIMEOUTS), 120, "the last run", details)
         assert finish(proc, 180) == 0, details()
     except BaseException:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)  # no job left behind
         raise
     log, err = rank0_log(), proc.stderr.read()
     stops, resumes = stops_and_resumes(log)
-    print(f"06 through {TIMEOUTS} time-outs: {time.monotonic() - start:.1f} s, stopped at (epochs done, step) {stops}")
-    assert len(stops) == TIMEOUTS and resumes == stops, log  # each run goes on where the one before stopped
+    print(f"06 through a preemption and {TIMEOUTS} time-outs: {time.monotonic() - start:.1f} s, stopped at "
+          f"(epochs done, step) {stops}")
+    assert len(stops) == 1 + TIMEOUTS and resumes == stops and stops[0][0] == 1 and stops[0][1] > 0, log
+    signals = re.findall(r"^stopped at epoch \d+ step \d+ on (SIG\w+): saved in", log, re.M)
+    assert signals == ["SIGTERM"] + ["SIGUSR2"] * TIMEOUTS, log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
-    resumed, uninterrupted = weights(f"{tmp_path}/ckpt.pt"), weights(submitit_runs["2x1"]["checkpoint"])
-    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bit for bit, same layout
-    assert max_abs_diff(resumed, weights(reference.epoch2)) <= TOLERANCE
-    assert accounted_runs(job_id) == ["REQUEUED"] * TIMEOUTS + ["COMPLETED"]
+    assert "killed by signal" not in log and "Traceback" not in log, log  # no data-loader worker died of a signal
+    resumed_weights, uninterrupted = weights(f"{tmp_path}/ckpt.pt"), weights(submitit_runs["2x1"]["checkpoint"])
+    assert all(torch.equal(resumed_weights[k], uninterrupted[k]) for k in resumed_weights)  # bit for bit
+    assert max_abs_diff(resumed_weights, weights(reference.epoch2)) <= TOLERANCE
+    assert accounted_runs(job_id) == ["REQUEUED"] * (1 + TIMEOUTS) + ["COMPLETED"]
+    check_runs_between(job_id, high)
     assert "sacct error" not in err, err
 
 
@@ -540,7 +548,7 @@ def test_submitit_requeue_survives_a_slow_controller(slurm, reference, tmp_path,
     assert accounted_runs(job_id) == ["REQUEUED", "COMPLETED"]
 
 
-# --- a rank that dies: srun --kill-on-bad-exit ends the others (05's submit.sh, and 06's job) ---
+# --- a rank that dies: srun --wait ends the others soon after (05's submit.sh, and 06's job) ---
 
 def stop_rank0_kill_rank1(log_of, what):
     """Once epoch 1 is done: SIGSTOP to rank 0, so that it cannot fail by itself (Gloo would fail it at once),
