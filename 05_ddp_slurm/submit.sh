@@ -58,14 +58,14 @@ export OMP_NUM_THREADS=$((CPUS > WORKERS ? CPUS - WORKERS : 1))
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks," \
   "master $MASTER_ADDR:$MASTER_PORT"
 # srun -c: Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun, and where tasks are bound to
-# cores each would get one. --wait=10: once one task has ended, srun ends the others 10 s later instead of
-# leaving them waiting for it in a collective; after a stop, every task leaves by itself within those seconds
-# (--kill-on-bad-exit would end them at the first one's 144, and srun would return their signal's status). The
-# checkpoint path is fixed per job, so a requeued job (same id) resumes; pass --checkpoint to choose it. Slurm
+# cores each would get one. --wait=30: once one task has ended, srun kills the others 30 s later instead of
+# leaving them waiting for it in a collective; after a stop, every task leaves by itself within those seconds.
+# --kill-on-bad-exit=0 overrides a site's KillOnBadExit=1, which would end them at the first one's 144 (then
+# srun returns their signal's status, not 144). The checkpoint path is fixed per job, so a requeued job (same id) resumes; pass --checkpoint to choose it. Slurm
 # signals every process of the tasks: start python itself (or exec it), not under a wrapper (bash -c, time,
 # numactl) that would die of the signal.
 status=0
-srun --wait=10 --cpus-per-task="$CPUS" "$PYTHON" -u "$TRAIN_PY" --workers "$WORKERS" \
+srun --kill-on-bad-exit=0 --wait=30 --cpus-per-task="$CPUS" "$PYTHON" -u "$TRAIN_PY" --workers "$WORKERS" \
   --checkpoint "checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID.pt" "$@" || status=$?
 # The tasks stopped on a signal and rank 0 saved where (144): SIGUSR2 before the time limit, or SIGTERM from a
 # preemption, which Slurm sends to the tasks alone and which ends the job for good once it leaves by itself. So

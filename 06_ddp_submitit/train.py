@@ -1,6 +1,6 @@
 """Step 06: DDP submitted from Python with submitit, to Slurm or to processes on this machine.
 
-Run:  python 06_ddp_submitit/train.py --nodes 2 --gpus-per-node 4 --epochs 3 --checkpoint ckpt.pt
+Run:  python 06_ddp_submitit/train.py --nodes 2 --gpus-per-node 4 --cpus-per-task 8 --epochs 3 --checkpoint ckpt06.pt
       python 06_ddp_submitit/train.py --local --dataset synthetic   (no cluster needed)
 
 Changed since 05: no batch script of ours: this file submits itself through submitit, which writes one
@@ -422,9 +422,10 @@ def main():
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min, slurm_partition=args.partition,
                                slurm_signal_delay_s=STOP_LEAD_SECONDS, slurm_additional_parameters={"requeue": True},
-                               # submitit: 05's srun options: --wait=10 ends the others 10 s after a task ends,
-                               # and --cpus-per-task, which Slurm 22.05 to 23.02 do not pass on by themselves.
-                               slurm_srun_args=["--wait=10", f"--cpus-per-task={args.cpus_per_task}"],
+                               # submitit: 05's srun options: the others end 30 s after a task ends, and
+                               # --cpus-per-task, which Slurm 22.05 to 23.02 do not pass on by themselves.
+                               slurm_srun_args=["--kill-on-bad-exit=0", "--wait=30",
+                                                f"--cpus-per-task={args.cpus_per_task}"],
                                # submitit: the batch script's first lines, on the job's first node: the threads,
                                # and a port that no process there holds now, found as 05's submit.sh does.
                                slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",

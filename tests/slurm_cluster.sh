@@ -90,10 +90,11 @@ MpiDefault=none
 ReturnToService=2
 # Fast turnaround for tests: finished jobs leave quickly (sbatch --wait polls every 2 s only while MinJobAge
 # is small), the scheduler runs every second (a requeued job starts within a second of being eligible),
-# cancelled processes get SIGKILL after 2 s (slurmd waits about 5 s anyway), impossible requests are refused.
+# cancelled processes get SIGKILL after 5 s (30 s by default; the tests' stops must fit), impossible requests
+# are refused.
 MinJobAge=4
 SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=0
-KillWait=2
+KillWait=5
 EnforcePartLimits=ALL
 # Accounting: slurmctld sends every job's record to slurmdbd, on the bridge's address so that sacct
 # works from this machine and from inside the nodes. Nothing is enforced: any user may run jobs.

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (REPO, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff, read_line,
-                      submitit_logs, weights)
+from conftest import (REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff,
+                      read_line, submitit_logs, weights)
 from test_failures import ended_or_told_to
 from test_preemption import SITECUSTOMIZE
 
@@ -218,18 +218,35 @@ def python_without_slurm(folder):
     return wrapper
 
 
-# After a stop, rank 1 takes 3 s longer than rank 0 to exit (atexit), longer than the test cluster's KillWait (2 s),
+# After a stop, rank 1 takes 6 s longer than rank 0 to exit (atexit), longer than the test cluster's KillWait (5 s),
 # as a rank whose data-loader workers, NCCL or CUDA take a while to shut down would: srun must not end it early.
-SLOW_EXIT = "1:3"
+SLOW_EXIT = "1:6"
 
 
 def start_methods_env(folder, methods):
     """The environment of a job whose data-loader workers start by methods (one per rank, "forkserver,spawn") and
     whose rank 1 is slow to exit."""
+    return {**site_env(folder), "TEST_START_METHOD": methods, "TEST_SLOW_EXIT": SLOW_EXIT}
+
+
+def site_env(folder):
+    """PYTHONPATH to test_preemption's sitecustomize, which the TEST_ variables of a job's environment drive."""
     site = Path(folder) / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return {"PYTHONPATH": str(site), "TEST_START_METHOD": methods, "TEST_SLOW_EXIT": SLOW_EXIT}
+    return {"PYTHONPATH": str(site)}
+
+
+def freeze_env(folder, *steps):
+    """A stop made certain to come inside epoch 2's training (which lasts about a second): each rank of a 2-rank job
+    freezes itself (SIGSTOP, in the process that loads its samples) at step steps[0] of epoch 2 in the job's first
+    run, and in its run k steps[k] steps after the step it resumed at; frozen() counts the frozen processes. Slurm
+    sends SIGCONT just before each signal it sends a job, which thaws them."""
+    per_step = 3200 // 2 // STEPS_PER_EPOCH  # one rank's samples in a step
+    nths = [(STEPS_PER_EPOCH * (k == 0) + step) * per_step + 1 for k, step in enumerate(steps)]
+    marker = Path(folder) / "frozen"
+    return ({"TEST_FREEZE_AT_FETCH": f"3200:{','.join(map(str, nths))}:{marker}"},
+            lambda: len(read(marker).splitlines()))
 
 
 def high_job():
@@ -256,14 +273,6 @@ def check_runs_between(low, high):
         first[2] <= high_start <= high_end <= second[1] for first, second in zip(runs, runs[1:])), runs + [high_start]
 
 
-PROGRESS = re.compile(r"^epoch 2 step (\d+)/", re.M)  # --log-interval 5: a line every 5 steps
-
-
-def progress_past(log, step):
-    """Whether the log shows a progress line of epoch 2 past `step`."""
-    return any(int(at) > step for at in PROGRESS.findall(log))
-
-
 def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, reference, tmp_path):
     """One 05 job stopped twice, as sites stop jobs, whose tasks have no Slurm command on their PATH (PYTHON runs
     them so, as a container image without a Slurm client would), with a data-loader worker per loader, started by
@@ -274,31 +283,26 @@ def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, 
       its grace time, so submit.sh (on the host) does.
     Each time all ranks stop at one step, rank 0 saves, the tasks exit for a requeue, submit.sh requeues the job,
     and it resumes at that step; it ends bit for bit as if never stopped, and accounting records each run.
-    Each stop is made certain to come inside epoch 2's training (it lasts about a second) by freezing the tasks
-    (SIGSTOP) once they print a progress line of it; Slurm sends SIGCONT just before its signal, which thaws them.
+    Each stop is made certain to come inside epoch 2's training by freezing the tasks first (freeze_env).
     Slurm looks at time limits only every 30 s, so the test then brings the limit near: at TimeLimit=2 (minutes)
     the warning is due at once. Once the job is requeued the limit goes back to 10 minutes, so that no warning can
     reach the next run while Python starts, before the handler is in place (it would kill the task)."""
     start = time.monotonic()
-    env = {"PYTHON": str(python_without_slurm(tmp_path)), **start_methods_env(tmp_path, "forkserver,spawn")}
+    freeze, frozen = freeze_env(tmp_path, 10, 10)
+    env = {"PYTHON": str(python_without_slurm(tmp_path)), **start_methods_env(tmp_path, "forkserver,spawn"), **freeze}
     proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2", "--log-interval", "5",
                                       "--checkpoint", f"{tmp_path}/ckpt.pt"], env=env)
     job_id = job_id_of(proc)
     log_path = tmp_path / f"ddp-slurm-{job_id}.out"
     details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"  # noqa: E731
     try:
-        wait_for(lambda: progress_past(read(log_path), 0), 120, "epoch 2 under way", details)
-        control("scancel", "--signal=STOP", str(job_id))  # fails if the job has already ended
+        wait_for(lambda: frozen() == 2, 120, "both ranks frozen in epoch 2", details)
         control("scontrol", "update", f"JobId={job_id}", "TimeLimit=2")
         wait_for(lambda: len(STOP_LINE.findall(read(log_path))) == 1, 120, "Slurm's warning", details)
         wait_for(lambda: squeue(job_id) in ("PENDING", "REQUEUED"), 60, "the requeue", details)
         control("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
 
-        wait_for(lambda: RESUME_LINE.search(read(log_path)), 120, "the requeued run", details)
-        resumed_at = stops_and_resumes(read(log_path))[1][0][1]
-        wait_for(lambda: progress_past(read(log_path).split("resumed from")[1], resumed_at), 60, "its progress",
-                 details)
-        control("scancel", "--signal=STOP", str(job_id))
+        wait_for(lambda: frozen() == 4, 120, "the requeued run's ranks frozen", details)
         high = high_job()
         assert finish(proc, 180) == 0, details()
     except BaseException:
@@ -311,7 +315,8 @@ def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, 
           f"stopped at (epochs done, step) {stops}")
     assert restarts == [0, 1, 2], log  # submit.sh's line, once per run
     assert log.count(f"job {job_id}: its tasks stopped and saved: requeueing it") == 2, log
-    assert len(stops) == 2 and resumes == stops and all(epoch == 1 and step > 0 for epoch, step in stops), log
+    assert len(stops) == 2 and resumes == stops and all(epoch == 1 and 0 < step < STEPS_PER_EPOCH
+                                                         for epoch, step in stops), log
     assert re.findall(r"^stopped at epoch 2 step \d+ on (SIG\w+): saved in", log, re.M) == ["SIGUSR2", "SIGTERM"], log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
     assert "killed by signal" not in log and "Traceback" not in log, log  # no data-loader worker died of a signal
@@ -354,18 +359,20 @@ def test_scancel_saves_the_step_and_a_new_job_resumes_there(slurm, submit_sh_run
     a new job given that --checkpoint resumes at the step and ends bit for bit as if never stopped."""
     checkpoint = tmp_path / "ckpt.pt"
     (tmp_path / "first").mkdir()  # Slurm does not create the folder of --output
+    freeze, frozen = freeze_env(tmp_path, 10)
     proc = sbatch_05(tmp_path / "first", 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--log-interval", "5",
-                                                "--checkpoint", str(checkpoint)])
+                                                "--checkpoint", str(checkpoint)], env={**site_env(tmp_path), **freeze})
     job_id = job_id_of(proc)
     log_path = tmp_path / "first" / f"ddp-slurm-{job_id}.out"
     details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"  # noqa: E731
-    wait_for(lambda: progress_past(read(log_path), 0), 120, "epoch 2 under way", details)
-    control("scancel", "--signal=STOP", str(job_id))  # inside epoch 2 for certain: Slurm sends SIGCONT first
+    wait_for(lambda: frozen() == 2, 120, "both ranks frozen in epoch 2", details)
     control("scancel", str(job_id))
     finish(proc, 60)
     log = read(log_path)
-    [(epoch, step)] = stops_and_resumes(log)[0]
-    assert epoch == 1 and step > 0 and "requeueing" not in log, log
+    stops = stops_and_resumes(log)[0]
+    assert len(stops) == 1, log
+    [(epoch, step)] = stops
+    assert epoch == 1 and 0 < step < STEPS_PER_EPOCH and "requeueing" not in log, log
     assert re.search(r"^stopped at epoch 2 step \d+ on SIGTERM: saved in", log, re.M), log
     assert [state.split()[0] for state in accounted_runs(job_id)] == ["CANCELLED"], accounted_runs(job_id)
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
@@ -455,15 +462,16 @@ TIMEOUTS = 3  # time-limit stops after the preemption: four stops, more than sub
 def test_submitit_through_a_preemption_and_many_timeouts(slurm, submitit_runs, reference, tmp_path):
     """One 06 job stopped again and again, with a data-loader worker per loader (forkserver in rank 0, spawn in
     rank 1): first a job of the partition high preempts it inside epoch 2 (SIGTERM to every process of its tasks,
-    made certain to come inside training by freezing them first, as in the 05 test above), then its time limit
+    made certain to come inside training by freezing them first, freeze_env), then its time limit
     stops it TIMEOUTS times (SIGUSR2, as Slurm's warning sends it; once a run has resumed, when its handlers are in
     place). Each time all ranks stop at one step, rank 0 saves, and the batch script's last line requeues the job,
     with no cap; the launcher waits through every requeue and exits 0, and the job ends bit for bit as if never
     stopped."""
     start = time.monotonic()
+    freeze, frozen = freeze_env(tmp_path, 10)
     proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2", "--log-interval", "5",
                                                "--checkpoint", f"{tmp_path}/ckpt.pt"],
-                     env=start_methods_env(tmp_path, "forkserver,spawn"))
+                     env={**start_methods_env(tmp_path, "forkserver,spawn"), **freeze})
     deadline = time.monotonic() + 60
     job_id = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission").group(1)
     rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
@@ -478,8 +486,7 @@ def test_submitit_through_a_preemption_and_many_timeouts(slurm, submitit_runs, r
         return False
 
     try:
-        wait_for(lambda: progress_past(rank0_log(), 0), 120, "epoch 2 under way", details)
-        control("scancel", "--signal=STOP", job_id)  # fails if the job has already ended
+        wait_for(lambda: frozen() == 2, 120, "both ranks frozen in epoch 2", details)
         high = high_job()
         for stop in range(1 + TIMEOUTS):
             if stop:  # a time limit: once this run has resumed
@@ -495,7 +502,8 @@ def test_submitit_through_a_preemption_and_many_timeouts(slurm, submitit_runs, r
     stops, resumes = stops_and_resumes(log)
     print(f"06 through a preemption and {TIMEOUTS} time-outs: {time.monotonic() - start:.1f} s, stopped at "
           f"(epochs done, step) {stops}")
-    assert len(stops) == 1 + TIMEOUTS and resumes == stops and stops[0][0] == 1 and stops[0][1] > 0, log
+    assert len(stops) == 1 + TIMEOUTS and resumes == stops and stops[0][0] == 1, log
+    assert 0 < stops[0][1] < STEPS_PER_EPOCH, log
     signals = re.findall(r"^stopped at epoch \d+ step \d+ on (SIG\w+): saved in", log, re.M)
     assert signals == ["SIGTERM"] + ["SIGUSR2"] * TIMEOUTS, log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
@@ -514,7 +522,7 @@ def test_submitit_requeue_survives_a_slow_controller(slurm, reference, tmp_path,
     requeue` that asked for it returns. submitit's own requeue ran in the task and failed then, writing an
     error result: with one task the launcher took it for the job's end and failed while the requeued job
     trained on. 06 requeues from the batch script, after its tasks have ended: a scontrol that lingers 1 s
-    after the requeue (under the cluster's KillWait of 2 s) dies of that SIGTERM with the script, and the
+    after the requeue (under the cluster's KillWait of 5 s) dies of that SIGTERM with the script, and the
     launcher still waits for the requeued job, which ends with 01's weights."""
     shims, site = tmp_path / "bin", tmp_path / "site"
     shims.mkdir()
@@ -558,7 +566,7 @@ def stop_rank0_kill_rank1(log_of, what):
     os.kill(pids["0"], signal.SIGSTOP)
     os.kill(pids["1"], signal.SIGKILL)
     killed = time.monotonic()
-    wait_for(lambda: ended_or_told_to(pids["0"]), 30, f"{what}: srun to end the stopped rank 0", log_of)
+    wait_for(lambda: ended_or_told_to(pids["0"]), 60, f"{what}: srun to end the stopped rank 0", log_of)
     ended_in = time.monotonic() - killed
     print(f"{what}: srun ended the stopped rank 0 {ended_in:.1f} s after rank 1 died")
     return ended_in
