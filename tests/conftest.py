@@ -200,6 +200,7 @@ def shared(tmp_path_factory, worker_id):
         folder, result = root / name, root / f"{name}.pickle"
         with FileLock(str(root / f"{name}.lock")):
             if not result.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # what a worker whose compute failed left
                 folder.mkdir()
                 result.write_bytes(pickle.dumps(compute(folder)))
         return pickle.loads(result.read_bytes())

@@ -59,6 +59,11 @@ def _record(kind):
                            cores=sorted(os.sched_getaffinity(0)), omp=os.environ.get("OMP_NUM_THREADS")))
     with open(os.environ["TEST_CORES_LOG"], "a") as log:
         log.write(line + "\\n")  # one short write in append mode: lines of several processes do not mix
+_loop = None
+def _recorded_loop(*args, **kwargs):  # what each data-loader worker runs first; spawn and forkserver workers
+    _record("worker")                 # find it by name here, and run the worker loop that they have
+    import torch.utils.data._utils.worker as worker
+    return (_loop or worker._worker_loop)(*args, **kwargs)
 if os.environ.get("TEST_CORES_LOG"):
     with open("/proc/self/cmdline", "rb") as cmdline:
         cmd = " ".join(part.decode() for part in cmdline.read().split(b"\\0"))
@@ -67,11 +72,7 @@ if os.environ.get("TEST_CORES_LOG"):
             and "torch.distributed.run" not in cmd):
         _record("trainer")
         import torch.utils.data._utils.worker as _worker
-        _loop = _worker._worker_loop
-        def _recorded_loop(*args, **kwargs):  # what each data-loader worker runs first
-            _record("worker")
-            return _loop(*args, **kwargs)
-        _worker._worker_loop = _recorded_loop
+        _loop, _worker._worker_loop = _worker._worker_loop, _recorded_loop
 '''
 
 
