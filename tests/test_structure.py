@@ -100,19 +100,19 @@ def test_the_readme_gives_the_real_diff_sizes():
     assert row and [int(n) for n in row.group(1).split("|")] == counts, f"README table; the files give {counts}"
 
 
-# The generated blocks each step page must hold: its train.py against the previous step's, and its launch
-# script against the previous one (or whole, where there was none before).
+# The generated blocks each step page must hold: the output of a real run, its train.py against the previous
+# step's, and its launch script against the previous one (or whole, where there was none before).
 PAGE_BLOCKS = {
-    "01_single_gpu": ["file 01_single_gpu/run.sh"],
-    "02_dataparallel": ["diff 01_single_gpu/train.py 02_dataparallel/train.py",
+    "01_single_gpu": ["output 01", "file 01_single_gpu/run.sh"],
+    "02_dataparallel": ["output 02", "diff 01_single_gpu/train.py 02_dataparallel/train.py",
                         "diff 01_single_gpu/run.sh 02_dataparallel/run.sh"],
-    "03_ddp_mpspawn": ["diff 02_dataparallel/train.py 03_ddp_mpspawn/train.py",
+    "03_ddp_mpspawn": ["output 03", "diff 02_dataparallel/train.py 03_ddp_mpspawn/train.py",
                        "diff 02_dataparallel/run.sh 03_ddp_mpspawn/run.sh"],
-    "04_ddp_torchrun": ["diff 03_ddp_mpspawn/train.py 04_ddp_torchrun/train.py",
+    "04_ddp_torchrun": ["output 04", "diff 03_ddp_mpspawn/train.py 04_ddp_torchrun/train.py",
                         "diff 03_ddp_mpspawn/run.sh 04_ddp_torchrun/run.sh", "file 04_ddp_torchrun/submit.sh"],
-    "05_ddp_slurm": ["diff 04_ddp_torchrun/train.py 05_ddp_slurm/train.py",
+    "05_ddp_slurm": ["output 05", "diff 04_ddp_torchrun/train.py 05_ddp_slurm/train.py",
                      "diff 04_ddp_torchrun/submit.sh 05_ddp_slurm/submit.sh"],
-    "06_ddp_submitit": ["diff 05_ddp_slurm/train.py 06_ddp_submitit/train.py"],
+    "06_ddp_submitit": ["output 06", "diff 05_ddp_slurm/train.py 06_ddp_submitit/train.py"],
 }
 
 
@@ -132,3 +132,80 @@ def test_generated_blocks_match_the_files():
     import pages
     stale = [str(page.relative_to(REPO)) for page in pages.pages() if pages.render(page.read_text()) != page.read_text()]
     assert not stale, f"generated blocks out of date in {', '.join(stale)}: run `python tests/pages.py`"
+
+
+def printed_formats(step):
+    """A regex that a line printed by the step's own files matches: a run of their messages, each an f-string
+    or string of train.py or an echo of its shell scripts, whose fields may hold anything; a line starts with
+    a message's own words."""
+    messages = []
+    for node in ast.walk(ast.parse((REPO / step / "train.py").read_text())):
+        if isinstance(node, ast.JoinedStr):
+            messages.append([re.escape(v.value) if isinstance(v, ast.Constant) else None for v in node.values])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            messages.append([re.escape(node.value)])
+    for script in (REPO / step).glob("*.sh"):
+        for echo in re.findall(r"^\s*echo ((?:.*\\\n)*.*)$", script.read_text(), re.M):
+            text = " ".join(re.findall(r'"([^"]*)"', echo))
+            parts = re.split(r"\$\{[^}]*\}|\$\w+", text)
+            messages.append([x for part in parts for x in (re.escape(part), None)][:-1])
+    def pattern(parts):
+        return "".join(".+?" if part is None else part for part in parts)
+    words = [parts for parts in messages if sum(len(p) for p in parts if p) >= 3]
+    first = "|".join(pattern(parts) for parts in words if parts[0] and len(parts[0]) >= 3)
+    return re.compile(f"(?:{first})(?:{'|'.join(pattern(parts) for parts in words)})*")
+
+
+# Lines of an output block that other programs print: sbatch, torchrun (its log lines and its warning about
+# OMP_NUM_THREADS), Slurm's and submitit's.
+FOREIGN = re.compile(r"^(Submitted batch job \d+|\[?[WIE]\d{4} .*|\*+|Setting OMP_NUM_THREADS environment variable .*|"
+                     r"(srun|slurmstepd|sbatch|submitit)\b.*)$")
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_output_blocks_are_what_the_step_prints(step):
+    """Each line of a page's sample output, from a real run, is one that the step's files still print (its
+    numbers and names aside), or another program's; sacct's table and the high job are Slurm's."""
+    import pages
+    formats = printed_formats(step)
+    for name, block in pages.output_blocks((REPO / step / "README.md").read_text()):
+        command = f"python tests/pages.py --outputs {name}"
+        assert re.search(r"^Printed on \d{4}-\d\d-\d\d, on .+:$", block, re.M), f"no machine and date: {command}"
+        ours = True
+        for line in block.split("```console\n", 1)[1].rsplit("```", 1)[0].splitlines():
+            if line.startswith("$ "):
+                ours = not line.startswith(("$ sacct", f"$ {pages.HIGH}", "$ wait"))
+            elif ours and line.strip() and not FOREIGN.match(line):
+                assert formats.fullmatch(line), f"{step}/README.md: no print of {step} gives {line!r}: run `{command}`"
+
+
+def parser_flags(step):
+    source = (REPO / step / "train.py").read_text()
+    return set(re.findall(r"add_argument\(\s*\"(--[a-z-]+)\"", source))
+
+
+def test_the_readme_links_and_flags_exist():
+    """Every link of the README and tests/README.md points at a file that exists; every flag the README's
+    prose names is one of a train.py; every command line of the README that runs a step passes that step's
+    flags only."""
+    every_flag = set().union(*(parser_flags(step) for step in STEPS)) | {"--help"}  # argparse's own
+    for readme in (REPO / "README.md", REPO / "tests" / "README.md"):
+        text = readme.read_text()
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+            assert (readme.parent / target).exists(), f"{readme.relative_to(REPO)} links {target}, which is missing"
+    text = (REPO / "README.md").read_text()
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", prose))
+    assert named <= every_flag, f"the README names flags that no train.py has: {named - every_flag}"
+    for step, args in re.findall(r"(\d\d_\w+)/(?:train\.py|run\.sh|submit\.sh)((?: [^#\n]*)?)", text):
+        flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", args))
+        assert flags <= parser_flags(step), f"README runs {step} with {flags - parser_flags(step)}"
+
+
+def test_pages_stay_short():
+    """The README at most 120 lines, each step page at most 150 lines of prose besides its generated blocks."""
+    import pages
+    assert len((REPO / "README.md").read_text().splitlines()) <= 120
+    for page in pages.pages():
+        lines = len(pages.BLOCK.sub("", page.read_text()).splitlines())
+        assert lines <= 150, f"{page.relative_to(REPO)}: {lines} lines of prose"
