@@ -1,6 +1,6 @@
 """Step 01: train a small CNN on MNIST in one process on one device.
 
-Run:  bash 01_single_gpu/run.sh --epochs 3 --checkpoint ckpt.pt   (--dataset synthetic needs no download)
+Run:  bash 01_single_gpu/run.sh --epochs 3 --checkpoint ckpt01.pt   (--dataset synthetic needs no download)
 
 The baseline that every later step changes a little: the model, data, evaluation, checkpointing
 and logging stay the same in every folder, so `diff` between neighbouring folders shows only the

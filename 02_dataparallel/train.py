@@ -1,6 +1,6 @@
 """Step 02: one process drives every local GPU through nn.DataParallel.
 
-Run:  bash 02_dataparallel/run.sh --epochs 3 --checkpoint ckpt.pt   (--dataset synthetic needs no download)
+Run:  bash 02_dataparallel/run.sh --epochs 3 --checkpoint ckpt02.pt   (--dataset synthetic needs no download)
 
 Changed since 01: with GPUs, nn.DataParallel splits every batch (still --batch-size) across them, runs
 the replicas in threads and sums the gradients on the first GPU. On a CPU the plain model runs as in 01.

@@ -1,6 +1,6 @@
 """Step 03: DistributedDataParallel, one process per GPU, started by torch.multiprocessing.spawn.
 
-Run:  bash 03_ddp_mpspawn/run.sh --epochs 3 --checkpoint ckpt.pt   (--dataset synthetic needs no download)
+Run:  bash 03_ddp_mpspawn/run.sh --epochs 3 --checkpoint ckpt03.pt   (--dataset synthetic needs no download)
 
 Changed since 02: mp.spawn starts --world-size processes, one per GPU (NCCL; Gloo on the CPU), which
 meet at a store that this process serves. Each wraps the model in DDP and trains on its own share of

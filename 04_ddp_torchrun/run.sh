@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 04: torchrun starts one process per GPU (2 on a CPU) and restarts them all if one fails.
 # Flags go to train.py. One machine:
-#   bash 04_ddp_torchrun/run.sh --epochs 3 --checkpoint ckpt.pt
+#   bash 04_ddp_torchrun/run.sh --epochs 3 --checkpoint ckpt04.pt
 # Several machines: run the same command on every one of them, with the first one's address
 # (rendezvous through torchrun's c10d backend; the checkpoint path must be on shared storage):
 #   NNODES=2 RDZV_ENDPOINT=node1:29400 bash 04_ddp_torchrun/run.sh --checkpoint /shared/ckpt.pt

@@ -1,6 +1,6 @@
 """Step 04: DDP with the processes started by torchrun, on one machine or several.
 
-Run:  bash 04_ddp_torchrun/run.sh --epochs 3 --checkpoint ckpt.pt   (--dataset synthetic needs no download)
+Run:  bash 04_ddp_torchrun/run.sh --epochs 3 --checkpoint ckpt04.pt   (--dataset synthetic needs no download)
 
 Changed since 03: torchrun starts one process per GPU, on one node or many (run.sh shows both), and
 gives each its RANK, LOCAL_RANK, WORLD_SIZE and rendezvous address. When a process fails, torchrun

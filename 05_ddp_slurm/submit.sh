@@ -4,7 +4,7 @@
 # For your cluster change the #SBATCH lines below (nodes, GPUs per node and the tasks that match
 # them, cores, time; add --partition/--account if your site needs them) and the environment line.
 # Options on the sbatch command line override these lines, e.g. a CPU-only run on two nodes:
-#   sbatch --gpus-per-node=0 --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 05_ddp_slurm/submit.sh --dataset synthetic
+#   sbatch --gpus-per-node=0 --nodes=2 --ntasks-per-node=1 --cpus-per-task=2 05_ddp_slurm/submit.sh --dataset synthetic
 #SBATCH --job-name=ddp-slurm        # shown by squeue; the %x in the log name
 #SBATCH --nodes=2                   # machines
 #SBATCH --ntasks-per-node=4         # processes per machine: one per GPU, so equal to --gpus-per-node
