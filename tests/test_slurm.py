@@ -277,7 +277,7 @@ def check_runs_between(low, high):
 def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, reference, tmp_path):
     """One 05 job stopped twice, as sites stop jobs, whose tasks have no Slurm command on their PATH (PYTHON runs
     them so, as a container image without a Slurm client would), with a data-loader worker per loader, started by
-    forkserver (Python 3.14's default) in rank 0 and by spawn in rank 1:
+    fork (Linux's default before Python 3.14) in rank 0 and by spawn in rank 1 (forkserver: the emulated 05 test):
     - Slurm's own warning before the time limit (submit.sh's --signal=USR2@120), inside epoch 2;
     - in the requeued run, a job of the partition high needs the nodes (PreemptMode=REQUEUE, GraceTime=10, no
       SIGUSR2 first): every process of the tasks gets SIGTERM; Slurm would not requeue a job that ends inside
@@ -290,7 +290,7 @@ def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, 
     reach the next run while Python starts, before the handler is in place (it would kill the task)."""
     start = time.monotonic()
     freeze, frozen = freeze_env(tmp_path, 10, 10)
-    env = {"PYTHON": str(python_without_slurm(tmp_path)), **start_methods_env(tmp_path, "forkserver,spawn"), **freeze}
+    env = {"PYTHON": str(python_without_slurm(tmp_path)), **start_methods_env(tmp_path, "fork,spawn"), **freeze}
     proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2", "--log-interval", "5",
                                       "--checkpoint", f"{tmp_path}/ckpt.pt"], env=env)
     job_id = job_id_of(proc)
@@ -461,7 +461,7 @@ TIMEOUTS = 3  # time-limit stops after the preemption: four stops, more than sub
 
 
 def test_submitit_through_a_preemption_and_many_timeouts(slurm, submitit_runs, reference, tmp_path):
-    """One 06 job stopped again and again, with a data-loader worker per loader (forkserver in rank 0, spawn in
+    """One 06 job stopped again and again, with a data-loader worker per loader (forkserver in rank 0, fork in
     rank 1): first a job of the partition high preempts it inside epoch 2 (SIGTERM to every process of its tasks,
     made certain to come inside training by freezing them first, freeze_env), then its time limit
     stops it TIMEOUTS times (SIGUSR2, as Slurm's warning sends it; once a run has resumed, when its handlers are in
@@ -472,7 +472,7 @@ def test_submitit_through_a_preemption_and_many_timeouts(slurm, submitit_runs, r
     freeze, frozen = freeze_env(tmp_path, 10)
     proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2", "--log-interval", "5",
                                                "--checkpoint", f"{tmp_path}/ckpt.pt"],
-                     env={**start_methods_env(tmp_path, "forkserver,spawn"), **freeze})
+                     env={**start_methods_env(tmp_path, "forkserver,fork"), **freeze})
     deadline = time.monotonic() + 60
     job_id = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission").group(1)
     rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
