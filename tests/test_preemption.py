@@ -57,7 +57,7 @@ if os.environ.get("TEST_SIGNAL_AT_FETCH"):  # "SIZE:N": SIGUSR2 to itself at the
         return fetch(self, index)
     torch.utils.data.TensorDataset.__getitem__ = signalling_fetch
 if os.environ.get("TEST_FREEZE_AT_FETCH"):  # "SIZE:N0,N1,..:FILE": in the job's run k (SLURM_RESTART_COUNT), at its
-    import signal, torch.utils.data  # Nk-th sample of a set of SIZE, a line to FILE, then SIGSTOP until a SIGCONT
+    import signal, torch.utils.data  # Nk-th sample of a set of SIZE, its pid to FILE, then SIGSTOP until a SIGCONT
     size, nths, marker = os.environ["TEST_FREEZE_AT_FETCH"].split(":")
     nths = [int(n) for n in nths.split(",")] + [0] * 99
     fetch, fetches = torch.utils.data.TensorDataset.__getitem__, [0]
@@ -65,7 +65,7 @@ if os.environ.get("TEST_FREEZE_AT_FETCH"):  # "SIZE:N0,N1,..:FILE": in the job's
         fetches[0] += len(self) == int(size)
         if len(self) == int(size) and fetches[0] == nths[int(os.environ.get("SLURM_RESTART_COUNT", 0))]:
             with open(marker, "a") as log:
-                log.write(f"{os.environ.get('SLURM_PROCID')}\\n")
+                log.write(f"{os.getpid()}\\n")
             os.kill(os.getpid(), signal.SIGSTOP)
         return fetch(self, index)
     torch.utils.data.TensorDataset.__getitem__ = freezing_fetch

@@ -241,13 +241,22 @@ def site_env(folder):
 def freeze_env(folder, *steps):
     """A stop made certain to come inside epoch 2's training (which lasts about a second): each rank of a 2-rank job
     freezes itself (SIGSTOP, in the process that loads its samples) at step steps[0] of epoch 2 in the job's first
-    run, and in its run k steps[k] steps after the step it resumed at; frozen() counts the frozen processes. Slurm
-    sends SIGCONT just before each signal it sends a job, which thaws them."""
+    run, and in its run k steps[k] steps after the step it resumed at; frozen() counts the processes stopped there
+    (by /proc, so not one that has only written its pid yet). Slurm sends SIGCONT just before its time-limit
+    warning, a preemption's signal and a cancel (not before `scancel --signal`), which thaws them."""
     per_step = 3200 // 2 // STEPS_PER_EPOCH  # one rank's samples in a step
     nths = [(STEPS_PER_EPOCH * (k == 0) + step) * per_step + 1 for k, step in enumerate(steps)]
     marker = Path(folder) / "frozen"
     return ({"TEST_FREEZE_AT_FETCH": f"3200:{','.join(map(str, nths))}:{marker}"},
-            lambda: len(read(marker).splitlines()))
+            lambda: sum(process_state(int(pid)) == "T" for pid in read(marker).split()))
+
+
+def process_state(pid):
+    """The state letter of a process in /proc (T: stopped), or "" once it has gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def high_job():
@@ -303,7 +312,7 @@ def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, 
         wait_for(lambda: squeue(job_id) in ("PENDING", "REQUEUED"), 60, "the requeue", details)
         control("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
 
-        wait_for(lambda: frozen() == 4, 120, "the requeued run's ranks frozen", details)
+        wait_for(lambda: frozen() == 2, 120, "the requeued run's ranks frozen", details)
         high = high_job()
         assert finish(proc, 180) == 0, details()
     except BaseException:
