@@ -105,7 +105,8 @@ AccountingStoragePort=$DBD_PORT
 AccountingStoragePass=$STATE/munge/munge.socket
 # Preemption as many sites run it: a job of the partition "high" takes the nodes of a job of "low" (the default)
 # at once. The low job's tasks get SIGTERM (no SIGUSR2 first: no preempt_send_user_signal), and GraceTime
-# seconds later the job is killed and requeued, unless it left before: then it stays ended.
+# seconds later the job is killed and requeued, unless it left before: then it stays ended. GraceTime=30, as at
+# the site measured in issue 14: a stop, its save and a slow rank's exit fit in it on a loaded machine (10 did not).
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 EOF
@@ -116,7 +117,7 @@ EOF
   done
   local nodes
   nodes=$(IFS=,; echo "${NODES[*]}")
-  echo "PartitionName=low Nodes=$nodes Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=10 State=UP" \
+  echo "PartitionName=low Nodes=$nodes Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 State=UP" \
     >>"$STATE/slurm.conf"
   echo "PartitionName=high Nodes=$nodes PriorityTier=2 PreemptMode=OFF State=UP" >>"$STATE/slurm.conf"
 }

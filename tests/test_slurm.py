@@ -288,7 +288,7 @@ def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, 
     them so, as a container image without a Slurm client would), with a data-loader worker per loader, started by
     fork (Linux's default before Python 3.14) in rank 0 and by spawn in rank 1 (forkserver: the emulated 05 test):
     - Slurm's own warning before the time limit (submit.sh's --signal=USR2@120), inside epoch 2;
-    - in the requeued run, a job of the partition high needs the nodes (PreemptMode=REQUEUE, GraceTime=10, no
+    - in the requeued run, a job of the partition high needs the nodes (PreemptMode=REQUEUE, GraceTime=30, no
       SIGUSR2 first): every process of the tasks gets SIGTERM; Slurm would not requeue a job that ends inside
       its grace time, so submit.sh (on the host) does.
     Each time all ranks stop at one step, rank 0 saves, the tasks exit for a requeue, submit.sh requeues the job,
