@@ -168,8 +168,8 @@ def train(args, device):
 
     for epoch in range(start_epoch, args.epochs):
         generator.manual_seed(args.seed + epoch)
-        # Random numbers (augmentations, dropout) depend only on --seed and the epoch: hash() of ints is the same
-        # in every run. Data-loader workers take their seeds from here once, as they start: they persist.
+        # Random numbers drawn here (dropout; augmentations with --workers 0) depend only on --seed and the epoch:
+        # hash() of ints is the same in every run. Persistent workers take their seeds from here once per run.
         torch.manual_seed(hash((args.seed, epoch)))
         start = time.perf_counter()
         loss, samples = train_one_epoch(model, train_loader, optimizer, device, epoch, args.log_interval)

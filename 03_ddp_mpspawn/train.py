@@ -223,8 +223,8 @@ def train(args, rank, world_size, device):
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
-        # Random numbers (augmentations, dropout) depend only on --seed and the epoch: hash() of ints is the same
-        # in every run. Data-loader workers take their seeds from here once, as they start: they persist.
+        # Random numbers drawn here (dropout; augmentations with --workers 0) depend only on --seed and the epoch:
+        # hash() of ints is the same in every run. Persistent workers take their seeds from here once per run.
         torch.manual_seed(hash((args.seed, epoch, rank)))  # DDP: and differ from rank to rank
         start = time.perf_counter()
         loss, samples = train_one_epoch(ddp_model, train_loader, optimizer, device, epoch,

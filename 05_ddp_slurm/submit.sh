@@ -61,9 +61,10 @@ echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODE
 # cores each would get one. --wait=30: once one task has ended, srun kills the others 30 s later instead of
 # leaving them waiting for it in a collective; after a stop, every task leaves by itself within those seconds.
 # --kill-on-bad-exit=0 overrides a site's KillOnBadExit=1, which would end them at the first one's 144 (those
-# slower than KillWait are killed, and srun returns their signal's status, not 144). The checkpoint path is fixed per job, so a requeued job (same
-# id) resumes; pass --checkpoint to choose it. Slurm signals every process of the tasks: start python itself
-# (or exec it), not under a wrapper (bash -c, time, numactl) that would die of the signal.
+# slower than KillWait are killed, and srun returns their signal's status, not 144). The checkpoint path is
+# fixed per job, so a requeued job (same id) resumes; pass --checkpoint to choose it. Slurm signals every
+# process of the tasks: start python itself (or exec it), not under a wrapper (bash -c, time, numactl) that
+# would die of the signal.
 status=0
 srun --kill-on-bad-exit=0 --wait=30 --cpus-per-task="$CPUS" "$PYTHON" -u "$TRAIN_PY" --workers "$WORKERS" \
   --checkpoint "checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID.pt" "$@" || status=$?

@@ -319,8 +319,8 @@ def train(args, rank, world_size, device):
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
-        # Random numbers (augmentations, dropout) depend only on --seed and the epoch: hash() of ints is the same
-        # in every run. Data-loader workers take their seeds from here once, as they start: they persist.
+        # Random numbers drawn here (dropout; augmentations with --workers 0) depend only on --seed and the epoch:
+        # hash() of ints is the same in every run. Persistent workers take their seeds from here once per run.
         torch.manual_seed(hash((args.seed, epoch, rank)))  # DDP: and differ from rank to rank
         start, train_time, samples = time.perf_counter(), 0, 0
         while True:  # SLURM: the rest of the epoch, or up to a save (--save-every) or a stop signal
@@ -422,7 +422,8 @@ def main():
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min, slurm_partition=args.partition,
                                slurm_signal_delay_s=STOP_LEAD_SECONDS, slurm_additional_parameters={"requeue": True},
-                               # submitit: 05's srun options: the others end 30 s after a task ends, and
+                               # submitit: 05's srun options: the others end 30 s after a task ends (=0 overrides
+                               # a site's KillOnBadExit=1, which would cut a slow exit after a stop short), and
                                # --cpus-per-task, which Slurm 22.05 to 23.02 do not pass on by themselves.
                                slurm_srun_args=["--kill-on-bad-exit=0", "--wait=30",
                                                 f"--cpus-per-task={args.cpus_per_task}"],
