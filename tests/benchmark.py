@@ -81,9 +81,10 @@ def free_port():
 
 
 def configurations(gpus, cores):
-    """(name, step, launcher, processes, threads per process) of every run in a round."""
+    """(name, step, launcher, processes, threads per process) of every run in a round; with one GPU, the
+    multi-process runs are the one-process ones (NCCL takes one process per GPU), so each runs once."""
     n = gpus or 2  # processes of the multi-process runs: one per GPU, or 2 on the CPU
-    return [
+    configs = [
         ("01", "01_single_gpu", "python", 1, cores),
         ("01 prebatched", "01_single_gpu", "batches on the device", 1, cores),
         ("02", "02_dataparallel", "python", 1, cores),
@@ -94,6 +95,7 @@ def configurations(gpus, cores):
         (f"05 x{n}", "05_ddp_slurm", "srun (emulated)", n, max(1, cores // n)),
         (f"06 x{n}", "06_ddp_submitit", "submitit --local", n, max(1, cores // n)),
     ]
+    return [config for i, config in enumerate(configs) if config[0] not in [c[0] for c in configs[:i]]]
 
 
 def run_one(step, launcher, processes, threads, args, folder):
@@ -169,7 +171,8 @@ def main():
     n = gpus or 2
     print()
     print(f"- DDP at world size 1 (04 under torchrun) / 01: {median['04 x1'] / median['01']:.3f}")
-    print(f"- weak scaling, 03 x{n} / ({n} x 03 x1): {median[f'03 x{n}'] / (n * median['03 x1']):.3f}")
+    if n > 1:
+        print(f"- weak scaling, 03 x{n} / ({n} x 03 x1): {median[f'03 x{n}'] / (n * median['03 x1']):.3f}")
     print(f"- input pipeline, 01 / 01 on batches already on the device: {median['01'] / median['01 prebatched']:.3f}")
 
 

@@ -88,17 +88,18 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def slurm_task_env(rank, world_size, port, job_id="4242"):
-    """What srun gives each task of a one-node job, plus what submit.sh exports."""
+def slurm_task_env(rank, world_size, port, job_id="4242", **extra):
+    """What srun gives each task of a one-node job, plus what submit.sh exports (and extra)."""
     return child_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world_size),
-                     SLURM_STEP_ID="0", SLURM_JOB_ID=job_id, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                     SLURM_STEP_ID="0", SLURM_JOB_ID=job_id, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
 
 
-def run_slurm_tasks(args, world_size=2, timeout=120):
-    """Step 05 started as srun would start it on one node: one process per task with its SLURM_* variables."""
+def run_slurm_tasks(args, world_size=2, timeout=120, **env):
+    """Step 05 started as srun would start it on one node: one process per task with its SLURM_* variables (and
+    env)."""
     port, start = free_port(), time.monotonic()
     procs = [subprocess.Popen([sys.executable, "05_ddp_slurm/train.py", *args], cwd=REPO,
-                              env=slurm_task_env(rank, world_size, port), stdout=subprocess.PIPE,
+                              env=slurm_task_env(rank, world_size, port, **env), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
              for rank in range(world_size)]
     outs = []
