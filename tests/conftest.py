@@ -82,6 +82,17 @@ def read_line(proc, deadline):
         return proc.stdout.readline()
 
 
+def wait_for(predicate, timeout, what, details=lambda: ""):
+    """Polls predicate until it returns something true; at the timeout fails with details()."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}\n{details()}")
+
+
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conftest import (REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff,
-                      read_line, submitit_logs, weights)
+                      read_line, submitit_logs, wait_for, weights)
 from test_failures import ended_or_told_to
-from test_preemption import SITECUSTOMIZE
+from test_preemption import SITECUSTOMIZE, hold_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 CLUSTER = REPO / "tests" / "slurm_cluster.sh"
@@ -82,17 +82,6 @@ def cores_env(folder):
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(CORES_SITECUSTOMIZE)
     return dict(PYTHONPATH=str(site), TEST_CORES_LOG=str(folder / "cores.log"))
-
-
-def wait_for(predicate, timeout, what, details=lambda: ""):
-    """Polls predicate until it returns something true; at the timeout fails with details()."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}\n{details()}")
 
 
 def job_state(job_id):
