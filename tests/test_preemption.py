@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import (LAUNCH_LINE, REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, batch_args, child_env, free_port,
+from conftest import (REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, batch_args, child_env, free_port,
                       load_step_module, max_abs_diff, run_step, submitit_logs, train_in_process, wait_for, weights)
 
 TRAIN_05 = [*SYNTHETIC[:2], *batch_args("05_ddp_slurm")]  # --workers is chosen per test

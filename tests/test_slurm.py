@@ -227,25 +227,22 @@ def site_env(folder):
     return {"PYTHONPATH": str(site)}
 
 
-def freeze_env(folder, *steps):
-    """A stop made certain to come inside epoch 2's training (which lasts about a second): each rank of a 2-rank job
-    freezes itself (SIGSTOP, in the process that loads its samples) at step steps[0] of epoch 2 in the job's first
-    run, and in its run k steps[k] steps after the step it resumed at; frozen() counts the processes stopped there
-    (by /proc, so not one that has only written its pid yet). Slurm sends SIGCONT just before its time-limit
-    warning, a preemption's signal and a cancel (not before `scancel --signal`), which thaws them."""
-    per_step = 3200 // 2 // STEPS_PER_EPOCH  # one rank's samples in a step
-    nths = [(STEPS_PER_EPOCH * (k == 0) + step) * per_step + 1 for k, step in enumerate(steps)]
-    marker = Path(folder) / "frozen"
-    return ({"TEST_FREEZE_AT_FETCH": f"3200:{','.join(map(str, nths))}:{marker}"},
-            lambda: sum(process_state(int(pid)) == "T" for pid in read(marker).split()))
+def run_seconds(job_id):
+    """How long the job's current run has run, from scontrol (RunTime=[days-]HH:MM:SS)."""
+    days, hours, minutes, seconds = re.search(r"RunTime=(?:(\d+)-)?(\d+):(\d+):(\d+)", job_state(job_id)).groups()
+    return ((int(days or 0) * 24 + int(hours)) * 60 + int(minutes)) * 60 + int(seconds)
 
 
-def process_state(pid):
-    """The state letter of a process in /proc (T: stopped), or "" once it has gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
+def scontrol_that_restores_the_time_limit(folder, minutes):
+    """A folder with an `scontrol` for the batch script's PATH that, before it requeues the job, sets its time limit
+    to minutes: the requeued run starts with that limit, whenever the test would have set it."""
+    shims = Path(folder) / "shims"
+    shims.mkdir()
+    scontrol = shutil.which("scontrol")
+    (shims / "scontrol").write_text(f'#!/bin/bash\nif [ "$1" = requeue ]; then {scontrol} update JobId="$2" '
+                                    f'TimeLimit={minutes} || exit; fi\nexec {scontrol} "$@"\n')
+    (shims / "scontrol").chmod(0o755)
+    return shims
 
 
 def high_job():
@@ -282,30 +279,29 @@ def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, 
       its grace time, so submit.sh (on the host) does.
     Each time all ranks stop at one step, rank 0 saves, the tasks exit for a requeue, submit.sh requeues the job,
     and it resumes at that step; it ends bit for bit as if never stopped, and accounting records each run.
-    Each stop is made certain to come inside epoch 2's training by freezing the tasks first (freeze_env).
-    Slurm looks at time limits only every 30 s, so the test then brings the limit near: at TimeLimit=2 (minutes)
-    the warning is due at once. Once the job is requeued the limit goes back to 10 minutes, so that no warning can
-    reach the next run while Python starts, before the handler is in place (it would kill the task)."""
+    Each stop comes at a step the test chooses: every rank holds after epoch 2's step 10 in the first run and 5
+    steps after its resume in the second (hold_env) until the signal reaches it. Slurm looks at time limits every
+    30 s, so the test then brings the limit near: 60 to 120 s after the run's present age, within the warning's
+    120 s lead, so that the warning comes at the next check and the limit after the stop. Before the batch script
+    requeues the job, its scontrol sets the limit back to 10 minutes, so that no warning can reach the next run."""
     start = time.monotonic()
-    freeze, frozen = freeze_env(tmp_path, 10, 10)
-    env = {"PYTHON": str(python_without_slurm(tmp_path)), **start_methods_env(tmp_path, "fork,spawn"), **freeze}
+    hold, held, _ = hold_env(tmp_path, STEPS_PER_EPOCH + 10, 5)
+    shims = scontrol_that_restores_the_time_limit(tmp_path, 10)
+    env = {"PYTHON": str(python_without_slurm(tmp_path)), **start_methods_env(tmp_path, "fork,spawn"), **hold,
+           "PATH": f"{shims}{os.pathsep}{child_env()['PATH']}"}
     proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2", "--log-interval", "5",
                                       "--checkpoint", f"{tmp_path}/ckpt.pt"], env=env)
     job_id = job_id_of(proc)
     log_path = tmp_path / f"ddp-slurm-{job_id}.out"
     details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"  # noqa: E731
     try:
-        wait_for(lambda: frozen() == 2, 120, "both ranks frozen in epoch 2", details)
-        control("scontrol", "update", f"JobId={job_id}", "TimeLimit=2")
-        wait_for(lambda: len(STOP_LINE.findall(read(log_path))) == 1, 120, "Slurm's warning", details)
-        wait_for(lambda: squeue(job_id) in ("PENDING", "REQUEUED"), 60, "the requeue", details)
-        control("scontrol", "update", f"JobId={job_id}", "TimeLimit=10")
-
-        wait_for(lambda: frozen() == 2, 120, "the requeued run's ranks frozen", details)
+        wait_for(lambda: len(held()) == 2, 120, "both ranks held in epoch 2", details)
+        control("scontrol", "update", f"JobId={job_id}", f"TimeLimit={run_seconds(job_id) // 60 + 2}")
+        wait_for(lambda: len(held()) == 4, 180, "Slurm's warning, the requeue and the next run's ranks held", details)
         high = high_job()
         assert finish(proc, 180) == 0, details()
     except BaseException:
-        subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=30)  # no frozen job left behind
+        subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=30)  # no held job left behind
         raise
     log = read(log_path)
     restarts = [int(n) for n in re.findall(rf"^job {job_id} restart (\d+):", log, re.M)]
@@ -314,8 +310,7 @@ def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, 
           f"stopped at (epochs done, step) {stops}")
     assert restarts == [0, 1, 2], log  # submit.sh's line, once per run
     assert log.count(f"job {job_id}: its tasks stopped and saved: requeueing it") == 2, log
-    assert len(stops) == 2 and resumes == stops and all(epoch == 1 and 0 < step < STEPS_PER_EPOCH
-                                                         for epoch, step in stops), log
+    assert stops == [(1, 10), (1, 15)] and resumes == stops, log
     assert re.findall(r"^stopped at epoch 2 step \d+ on (SIG\w+): saved in", log, re.M) == ["SIGUSR2", "SIGTERM"], log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
     assert "killed by signal" not in log and "Traceback" not in log, log  # no data-loader worker died of a signal
@@ -332,18 +327,23 @@ def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
     for name in "ab":
         (tmp_path / name).mkdir()  # Slurm does not create the folder of --output
     args = {name: [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/{name}.pt"] for name in "ab"}
-    held = sbatch_05(tmp_path / "b", 2, 1, args["b"], sbatch_args=["--hold"], cpus=1)  # room for both jobs
-    b_id = job_id_of(held)
+    held_b = sbatch_05(tmp_path / "b", 2, 1, args["b"], sbatch_args=["--hold"], cpus=1)  # room for both jobs
+    b_id = job_id_of(held_b)
     port = 20000 + b_id % 12000
+    hold, held, release = hold_env(tmp_path, 10)  # job a's ranks wait at step 10 until b has its port
+    b_log = f"{tmp_path}/b/ddp-slurm-{b_id}.out"
     try:
-        first = sbatch_05(tmp_path / "a", 2, 1, args["a"], env={"MASTER_PORT": str(port)}, cpus=1)
+        first = sbatch_05(tmp_path / "a", 2, 1, args["a"], env={"MASTER_PORT": str(port), **site_env(tmp_path),
+                                                                **hold}, cpus=1)
         a_id = job_id_of(first)
-        a_log = f"{tmp_path}/a/ddp-slurm-{a_id}.out"
-        wait_for(lambda: "rank 1/2 " in read(a_log), 120, "job a's rendezvous", lambda: read(a_log))
-    finally:
+        wait_for(lambda: len(held()) == 2, 120, "job a held", lambda: job_state(a_id))
         subprocess.run(["scontrol", "release", str(b_id)])
-    procs, job_ids = [first, held], [a_id, b_id]
-    wait_for(lambda: all(squeue(job_id) == "RUNNING" for job_id in job_ids), 60, "both jobs running together")
+        wait_for(lambda: "rank 1/2 " in read(b_log), 120, "job b's rendezvous", lambda: read(b_log))
+        assert squeue(a_id) == squeue(b_id) == "RUNNING"  # together, a holding its port
+    finally:
+        release()
+        subprocess.run(["scontrol", "release", str(b_id)])
+    procs, job_ids = [first, held_b], [a_id, b_id]
     assert [finish(proc, 120) for proc in procs] == [0, 0]
     logs = [read(f"{tmp_path}/{name}/ddp-slurm-{job_id}.out") for name, job_id in zip("ab", job_ids)]
     ports = [int(check_job_log(log, 2, 1, epochs=2)[0][8]) for log in logs]
@@ -358,20 +358,19 @@ def test_scancel_saves_the_step_and_a_new_job_resumes_there(slurm, submit_sh_run
     a new job given that --checkpoint resumes at the step and ends bit for bit as if never stopped."""
     checkpoint = tmp_path / "ckpt.pt"
     (tmp_path / "first").mkdir()  # Slurm does not create the folder of --output
-    freeze, frozen = freeze_env(tmp_path, 10)
+    hold, held, _ = hold_env(tmp_path, STEPS_PER_EPOCH + 10)  # each rank holds after epoch 2's step 10
     proc = sbatch_05(tmp_path / "first", 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--log-interval", "5",
-                                                "--checkpoint", str(checkpoint)], env={**site_env(tmp_path), **freeze})
+                                                "--checkpoint", str(checkpoint)], env={**site_env(tmp_path), **hold})
     job_id = job_id_of(proc)
     log_path = tmp_path / "first" / f"ddp-slurm-{job_id}.out"
     details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"  # noqa: E731
-    wait_for(lambda: frozen() == 2, 120, "both ranks frozen in epoch 2", details)
+    wait_for(lambda: len(held()) == 2, 120, "both ranks held in epoch 2", details)
     control("scancel", str(job_id))
     finish(proc, 60)
     log = read(log_path)
     stops = stops_and_resumes(log)[0]
-    assert len(stops) == 1, log
-    [(epoch, step)] = stops
-    assert epoch == 1 and 0 < step < STEPS_PER_EPOCH and "requeueing" not in log, log
+    assert stops == [(1, 10)] and "requeueing" not in log, log
+    step = 10
     assert re.search(r"^stopped at epoch 2 step \d+ on SIGTERM: saved in", log, re.M), log
     assert [state.split()[0] for state in accounted_runs(job_id)] == ["CANCELLED"], accounted_runs(job_id)
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
@@ -389,23 +388,27 @@ def test_scancel_saves_the_step_and_a_new_job_resumes_there(slurm, submit_sh_run
 def test_a_job_killed_without_warning_resumes_at_its_last_periodic_save(slurm, submit_sh_runs, reference, tmp_path):
     """No signal at all (a node fails, an out-of-memory kill): with --save-every, rank 0 saves inside the epoch
     every so often; SIGKILL to both tasks mid-epoch fails the job (sacct FAILED), and a new job with that
-    --checkpoint resumes at the last save and ends bit for bit as if never stopped."""
+    --checkpoint resumes at the last save and ends bit for bit as if never stopped. On the test's step clock
+    (hold_env: 4 s a step), --save-every 1 saves every 15 steps; the ranks are killed while held after epoch 2's
+    step 20."""
     checkpoint = tmp_path / "ckpt.pt"
-    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--save-every", "0.01",  # 0.6 s
-                                      "--checkpoint", str(checkpoint)])
+    hold, held, _ = hold_env(tmp_path, STEPS_PER_EPOCH + 20)
+    proc = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--save-every", "1", "--checkpoint",
+                                      str(checkpoint)], env={**site_env(tmp_path), **hold})
     job_id = job_id_of(proc)
     log_path = tmp_path / f"ddp-slurm-{job_id}.out"
-    details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"
-    wait_for(lambda: re.search(r"^saved at epoch 2 step \d+ \(--save-every", read(log_path), re.M), 120,
-             "a periodic save in epoch 2", details)
-    for launch in Result(0, read(log_path), "", 0).launches():
-        os.kill(int(launch[4]), signal.SIGKILL)
+    details = lambda: f"--- job log\n{read(log_path)}\n--- scontrol\n{job_state(job_id)}"  # noqa: E731
+    wait_for(lambda: len(held()) == 2, 120, "both ranks held in epoch 2", details)
+    for _, pid in held():
+        os.kill(pid, signal.SIGKILL)
     assert finish(proc, 60) != 0, details()
     log = read(log_path)
+    saves = re.findall(r"^saved at epoch (\d+) step (\d+) \(--save-every 1\)$", log, re.M)
+    assert saves == [("1", "15"), ("1", "30"), ("1", "45"), ("2", "15")], log
     assert "epoch 2/2 |" not in log and "stopped at" not in log, log
     assert accounted_runs(job_id) == ["FAILED"]
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    last = [int(n) for n in re.findall(r"^saved at epoch 2 step (\d+)", log, re.M)][-1]
+    last = 15
     assert (saved["epoch"], saved["step"]) == (1, last), log
 
     again = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", str(checkpoint)])
@@ -460,39 +463,35 @@ TIMEOUTS = 3  # time-limit stops after the preemption: four stops, more than sub
 
 def test_submitit_through_a_preemption_and_many_timeouts(slurm, submitit_runs, reference, tmp_path):
     """One 06 job stopped again and again, with a data-loader worker per loader (forkserver in rank 0, fork in
-    rank 1): first a job of the partition high preempts it inside epoch 2 (SIGTERM to every process of its tasks,
-    made certain to come inside training by freezing them first, freeze_env), then its time limit
-    stops it TIMEOUTS times (SIGUSR2, as Slurm's warning sends it; once a run has resumed, when its handlers are in
-    place). Each time all ranks stop at one step, rank 0 saves, and the batch script's last line requeues the job,
-    with no cap; the launcher waits through every requeue and exits 0, and the job ends bit for bit as if never
+    rank 1): first a job of the partition high preempts it inside epoch 2 (SIGTERM to every process of its tasks),
+    then its time limit stops it TIMEOUTS times (SIGUSR2, as Slurm's warning sends it). Every rank holds after epoch
+    2's step 10 in the first run and 5 steps after its resume in the others (hold_env) until the signal reaches it.
+    Each time all ranks stop at that step, rank 0 saves, and the batch script's last line requeues the job, with
+    no cap; the launcher waits through every requeue and exits 0, and the job ends bit for bit as if never
     stopped."""
     start = time.monotonic()
-    freeze, frozen = freeze_env(tmp_path, 10)
+    hold, held, _ = hold_env(tmp_path, STEPS_PER_EPOCH + 10, *[5] * TIMEOUTS)
     proc = launch_06(tmp_path / "logs", 2, 1, [*TRAIN_ARGS, "--workers", "1", "--epochs", "2", "--log-interval", "5",
                                                "--checkpoint", f"{tmp_path}/ckpt.pt"],
-                     env={**start_methods_env(tmp_path, "forkserver,fork"), **freeze})
+                     env={**start_methods_env(tmp_path, "forkserver,fork"), **hold})
     deadline = time.monotonic() + 60
     job_id = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission").group(1)
     rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
     details = lambda: (f"--- task logs\n{submitit_logs(tmp_path / 'logs')}\n--- launcher exit\n{proc.poll()}\n"
                        f"--- scontrol\n{job_state(job_id)}")
 
-    def resumed(runs):
-        if rank0_log().count("resumed from") == runs:
-            return True
+    def holding(runs):
         if proc.poll() is not None:
-            pytest.fail(f"no run after {runs} resumes: {proc.stderr.read()}\n{details()}")
-        return False
+            pytest.fail(f"the launcher ended before run {runs} held: {proc.stderr.read()}\n{details()}")
+        return len(held()) == 2 * runs
 
     try:
-        wait_for(lambda: frozen() == 2, 120, "both ranks frozen in epoch 2", details)
-        high = high_job()
-        for stop in range(1 + TIMEOUTS):
-            if stop:  # a time limit: once this run has resumed
-                wait_for(lambda: resumed(stop), 120, f"run {stop + 1}", details)
+        for run in range(1, 2 + TIMEOUTS):
+            wait_for(lambda: holding(run), 120, f"run {run}'s ranks held", details)
+            if run == 1:
+                high = high_job()
+            else:  # a time limit
                 control("scancel", "--signal=USR2", job_id)
-            wait_for(lambda: len(STOP_LINE.findall(rank0_log())) > stop, 60, f"stop {stop + 1}", details)
-        wait_for(lambda: resumed(1 + TIMEOUTS), 120, "the last run", details)
         assert finish(proc, 180) == 0, details()
     except BaseException:
         subprocess.run(["scancel", job_id], capture_output=True, timeout=30)  # no job left behind
@@ -501,8 +500,7 @@ def test_submitit_through_a_preemption_and_many_timeouts(slurm, submitit_runs, r
     stops, resumes = stops_and_resumes(log)
     print(f"06 through a preemption and {TIMEOUTS} time-outs: {time.monotonic() - start:.1f} s, stopped at "
           f"(epochs done, step) {stops}")
-    assert len(stops) == 1 + TIMEOUTS and resumes == stops and stops[0][0] == 1, log
-    assert 0 < stops[0][1] < STEPS_PER_EPOCH, log
+    assert stops == [(1, 10 + 5 * k) for k in range(1 + TIMEOUTS)] and resumes == stops, log
     signals = re.findall(r"^stopped at epoch \d+ step \d+ on (SIG\w+): saved in", log, re.M)
     assert signals == ["SIGTERM"] + ["SIGUSR2"] * TIMEOUTS, log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
@@ -530,17 +528,18 @@ def test_submitit_requeue_survives_a_slow_controller(slurm, reference, tmp_path,
                                     '[ "$1" = requeue ] && sleep 1\nexit $status\n')
     (shims / "scontrol").chmod(0o755)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    hold, held, _ = hold_env(tmp_path, 10)  # the task holds after step 10 until the signal reaches it
     proc = launch_06(tmp_path / "logs", 1, 1, [*SYNTHETIC[:2], "--workers", "1", *batch_args("01_single_gpu"),
                                                "--epochs", "2", "--checkpoint", f"{tmp_path}/ckpt.pt"],
                      env=dict(PATH=f"{shims}{os.pathsep}{child_env()['PATH']}", PYTHONPATH=str(site),
-                              TEST_START_METHOD=method))
+                              TEST_START_METHOD=method, **hold))
     deadline = time.monotonic() + 60
     job_id = wait_for(lambda: re.search(r"submitted job (\d+)", read_line(proc, deadline)), 60, "submission").group(1)
     rank0_log = lambda: read(next(iter((tmp_path / "logs").glob(f"*/{job_id}_0_log.out")), "/nonexistent"))
     details = lambda: f"--- task log\n{rank0_log()}\n--- launcher exit\n{proc.poll()}\n--- scontrol\n{job_state(job_id)}"
     try:
-        wait_for(lambda: re.search(r"^rank 0/1 ", rank0_log(), re.M), 120, "the launch line", details)
-        control("scancel", "--signal=USR2", job_id)  # fails if the job has already ended
+        wait_for(lambda: held(), 120, "the rank held at step 10", details)
+        control("scancel", "--signal=USR2", job_id)
         out, err = proc.communicate(timeout=180)
     except BaseException:
         proc.kill()
@@ -550,7 +549,7 @@ def test_submitit_requeue_survives_a_slow_controller(slurm, reference, tmp_path,
     assert proc.returncode == 0 and f"job {job_id} finished" in out, out + err + details()
     assert "triggered an exception" not in log, log  # the job never failed
     stops, resumes = stops_and_resumes(log)
-    assert len(stops) == 1 and resumes == stops and log.count("epoch 2/2 |") == 1, log
+    assert stops == [(0, 10)] and resumes == stops and log.count("epoch 2/2 |") == 1, log
     assert max_abs_diff(weights(f"{tmp_path}/ckpt.pt"), weights(reference.epoch2)) <= TOLERANCE
     assert accounted_runs(job_id) == ["REQUEUED", "COMPLETED"]
 

@@ -9,14 +9,15 @@ import time
 
 import pytest
 
-from conftest import GLOBAL_BATCH, REPO, SYNTHETIC, TOLERANCE, Result, child_env, max_abs_diff, weights
-from test_slurm import job_id_of, job_state, read, slurm, squeue, wait_for  # noqa: F401 (slurm: a fixture)
+from conftest import (GLOBAL_BATCH, REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, child_env, max_abs_diff,
+                      wait_for, weights)
+from test_preemption import hold_env
+from test_slurm import job_id_of, job_state, read, site_env, slurm, squeue  # noqa: F401 (slurm: a fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 NODES, NPROC = 2, 2  # what submit.sh gives a CPU node: two processes
 TRAIN_ARGS = [*SYNTHETIC, "--batch-size", str(GLOBAL_BATCH // (NODES * NPROC))]
 RENDEZVOUS = re.compile(r"^job (\d+) restart (\d+): .* rendezvous (\S+):(\d+)$", re.M)
-ATTEMPTS = 3  # a job whose epoch 2 ended before the test could interrupt it is submitted again
 
 
 class Job:
@@ -121,18 +122,14 @@ def test_more_than_one_task_per_node_is_refused(slurm, tmp_path):
 
 
 def interrupt_in_epoch_2(folder, interrupt):
-    """Submits 2-epoch jobs until interrupt(job) runs while epoch 2 is under way (epoch 1's line is out,
-    epoch 2's is not); returns that job and the attempt."""
-    for attempt in range(ATTEMPTS):
-        job = Job(folder / f"attempt{attempt}", [*TRAIN_ARGS, "--epochs", "2",
-                                                 "--checkpoint", f"{folder}/attempt{attempt}/ckpt.pt"])
-        job.wait_log("epoch 1/2 |", 120, "epoch 1")
-        before = job.log()
-        if "epoch 2/2 |" not in before:
-            interrupt(job, before)
-            return job, attempt
-        assert job.finish(120) == 0, job.details()  # too late: this one simply ended
-    pytest.fail(f"in {ATTEMPTS} jobs epoch 2 always ended before the test could interrupt it")
+    """Submits a 2-epoch job whose workers hold after epoch 2's step 10 (hold_env), runs interrupt(job, log) then,
+    and returns the job. The restarted or requeued workers hold nowhere: they have held once already."""
+    hold, held, _ = hold_env(folder, STEPS_PER_EPOCH + 10)
+    job = Job(folder, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"],
+              env={**site_env(folder), **hold})
+    wait_for(lambda: len(held()) == NODES * NPROC, 120, "every worker held in epoch 2", job.details)
+    interrupt(job, job.log())
+    return job
 
 
 def test_killed_worker_restarts_the_round_on_both_nodes(slurm, torchrun_run, reference, tmp_path):
@@ -147,10 +144,10 @@ def test_killed_worker_restarts_the_round_on_both_nodes(slurm, torchrun_run, ref
         os.kill(killed["pid"], signal.SIGKILL)  # pids are global on this machine, namespaces or not
 
     start = time.monotonic()
-    job, attempt = interrupt_in_epoch_2(tmp_path, kill_rank_3)
+    job = interrupt_in_epoch_2(tmp_path, kill_rank_3)
     assert job.finish(180) == 0, job.details()
     log = job.log()
-    print(f"04 worker killed and restarted: {time.monotonic() - start:.1f} s (attempt {attempt + 1})")
+    print(f"04 worker killed and restarted: {time.monotonic() - start:.1f} s")
     assert killed["host"] == "n2", log
     first, second = rounds(log)  # exactly two rounds: the first one and its restart
     check_round(first, log)
@@ -174,12 +171,12 @@ def test_requeued_job_resumes_from_the_last_epoch(slurm, torchrun_run, reference
         subprocess.run(["scontrol", "requeue", "Incomplete", str(job.id)], check=True)
         requeued["at"] = time.monotonic()
 
-    job, attempt = interrupt_in_epoch_2(tmp_path, requeue)
+    job = interrupt_in_epoch_2(tmp_path, requeue)
     job.wait_log("resumed from", 120, "the requeued job to resume")
     requeue_to_resume = time.monotonic() - requeued["at"]
     assert job.finish(120) == 0, job.details()
     log = job.log()
-    print(f"04 requeue to resume: {requeue_to_resume:.1f} s (attempt {attempt + 1})")
+    print(f"04 requeue to resume: {requeue_to_resume:.1f} s")
     before, after = re.split(r"^job \d+ restart 1: .*$", log, flags=re.M)  # the requeued job's first line
     # Before: one round, stopped by SIGTERM in each torchrun (no restart of its own) before epoch 2 ended.
     (first,) = rounds(before)
@@ -201,16 +198,19 @@ def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
     b = Job(tmp_path / "b", [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/b.pt"], cpus=1,
             sbatch_args=["--hold"])  # held until a's rendezvous is up
     port, next_port = (20000 + (b.id + i) % 12000 for i in (0, 1))  # where submit.sh starts looking for b
+    hold, held, release = hold_env(tmp_path, 10)  # job a's workers wait at step 10 until b has its port
     try:
         a = Job(tmp_path / "a", [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/a.pt"], cpus=1,
-                env={"RDZV_PORT": str(port)})
-        a.wait_log(re.compile(r"^rank 3/4 ", re.M), 120, "job a's rendezvous")  # its store holds the port
+                env={"RDZV_PORT": str(port), **site_env(tmp_path), **hold})
+        wait_for(lambda: len(held()) == NODES * NPROC, 120, "job a held", a.details)  # its store holds the port
+        subprocess.run(["scontrol", "release", str(b.id)], check=True)
+        b.wait_log(re.compile(r"^rank 3/4 ", re.M), 120, "job b's rendezvous")
+        assert squeue(a.id) == squeue(b.id) == "RUNNING", a.details() + b.details()  # together
     except BaseException:
         subprocess.run(["scancel", str(b.id)])
         raise
-    subprocess.run(["scontrol", "release", str(b.id)], check=True)
-    wait_for(lambda: squeue(a.id) == squeue(b.id) == "RUNNING", 60, "both jobs running together",
-             lambda: a.details() + b.details())
+    finally:
+        release()
     codes = [a.finish(180), b.finish(180)]
     logs = {"a": a.log(), "b": b.log()}
     assert codes == [0, 0], logs
