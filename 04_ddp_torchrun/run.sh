@@ -18,9 +18,8 @@ else
               --rdzv-endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the first node}")
 fi
 # After a restart, workers that share torchrun's own rendezvous store can read the previous round's
-# addresses and fail or hang (pytorch/pytorch#135712). Still so with torch 2.15 and Gloo: the store and its
-# keys outlive the round. Restarted 5 times with the shared store, 2 failed (one hung); with a store of
-# their own each round, 20 of 20 resumed.
+# addresses and fail or hang (pytorch/pytorch#135712). With torch 2.15.0 and Gloo, this repository's restart
+# test (tests/test_failures.py) failed so in 2 of 5 runs with the shared store, and passed 20 of 20 without.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 # python -m torch.distributed.run is torchrun, run by the chosen interpreter.
 exec "$python" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node="$nproc" \

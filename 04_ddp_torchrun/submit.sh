@@ -50,11 +50,8 @@ export OMP_NUM_THREADS=$((CORES > WORKERS ? CORES - WORKERS : 1))
 # c10d rendezvous: the torchrun on the job's first node hosts it, the others connect, and it gives out
 # the node ranks, so every node runs the same command line and nothing is expanded per node.
 RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-# The port must be one that no other job on that node holds, and no formula of the job id alone can promise
-# that, as there are more ids than ports. So start at 20000 + id mod 12000 and take the first port that no
-# process holds now on the first node, where sbatch runs this script. Linux picks the ports of outgoing
-# connections from 32768 up by default, so none takes it before torchrun binds it; two jobs that start
-# there in the same second still could. Export RDZV_PORT to choose one.
+# Its port: the first from 20000 + job id mod 12000 that no process holds now on that node, where sbatch runs
+# this script (why so, and its one race: 04_ddp_torchrun/README.md, Under Slurm). Export RDZV_PORT to choose.
 RDZV_PORT=${RDZV_PORT:-$("$PYTHON" -c '
 import os, socket
 job = int(os.environ["SLURM_JOB_ID"])
@@ -70,21 +67,15 @@ for port in (20000 + (job + i) % 12000 for i in range(12000)):
     break
 ')}
 # After a restart, workers that share torchrun's own rendezvous store can read the previous round's
-# addresses and fail or hang (pytorch/pytorch#135712). Still so with torch 2.15 and Gloo: the store and its
-# keys outlive the round. Restarted 5 times with the shared store, 2 failed (one hung); with a store of
-# their own each round, 20 of 20 resumed.
+# addresses and fail or hang (pytorch/pytorch#135712). With torch 2.15.0 and Gloo, this repository's restart
+# test (tests/test_failures.py) failed so in 2 of 5 runs with the shared store, and passed 20 of 20 without.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $NPROC_PER_NODE processes" \
   "per node, rendezvous $RDZV_HOST:$RDZV_PORT"
-# Preemption, `scontrol requeue` and the time limit: Slurm sends SIGTERM to every process of the job, and
-# SIGKILL after KillWait. torchrun's agent passes SIGTERM on to its workers, SIGKILLs those still running
-# after --shutdown-timeout (30 s) and exits without a restart; SIGUSR2 it does not catch, and dies of it at
-# once, leaving its workers alone. This train.py has no handler, so it stops where it is. A requeued job
-# (a site that requeues preempted jobs, `scontrol requeue`) starts again under the same id, so with the
-# same checkpoint, and resumes after the last epoch that ended. A job that reaches its time limit just
-# ends: submit again, passing its checkpoint as --checkpoint. 05_ddp_slurm/submit.sh saves in the middle
-# of an epoch and requeues itself before the limit.
+# Preemption, `scontrol requeue` and the time limit stop the processes where they are (torchrun forwards
+# SIGTERM and dies of SIGUSR2; this train.py handles neither): a requeued job resumes after the last epoch
+# that ended, one at its time limit ends (04_ddp_torchrun/README.md, A Slurm stop). 05 saves inside an epoch.
 # srun -c: Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun. --kill-on-bad-exit: when
 # one torchrun fails (its restarts used up), srun ends the others instead of leaving them waiting.
 # --max-restarts: when a process fails, torchrun restarts them all on every node; they resume from

@@ -10,6 +10,7 @@
 #SBATCH --ntasks-per-node=4         # processes per machine: one per GPU, so equal to --gpus-per-node
 #SBATCH --gpus-per-node=4           # GPUs per machine; task N of a machine takes its GPU N
 #SBATCH --cpus-per-task=8           # cores per process: its threads and its data-loader workers
+##SBATCH --mem-per-gpu=32G          # memory per GPU, so per task: delete one '#' where the default per core is too small
 #SBATCH --time=01:00:00             # wall-clock limit
 #SBATCH --signal=USR2@120           # SIGUSR2 to every task 120 s before the limit: save, and requeue (below)
 #SBATCH --requeue                   # the job may go back to the queue (after a stop, when preempted, a node fails)
@@ -21,11 +22,9 @@ set -euo pipefail
 PYTHON=${PYTHON:-python}
 TRAIN_PY=${TRAIN_PY:-05_ddp_slurm/train.py}  # relative to the folder sbatch was called from
 
-# Rendezvous on the job's first node, where sbatch runs this script. The port must be one that no other
-# job there holds, and no formula of the job id alone can promise that, as there are more ids than ports.
-# So start at 20000 + id mod 12000 and take the first port that no process here holds now. Linux picks the
-# ports of outgoing connections from 32768 up by default, so none takes it before rank 0 binds it; two
-# jobs that start here in the same second still could. Export MASTER_PORT to choose one.
+# Rendezvous on the job's first node, where sbatch runs this script, at the first port from 20000 + job id
+# mod 12000 that no process holds here now (04's search: 04_ddp_torchrun/README.md, Under Slurm). Export
+# MASTER_PORT to choose one.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c '
 import os, socket
@@ -57,14 +56,14 @@ export OMP_NUM_THREADS=$((CPUS > WORKERS ? CPUS - WORKERS : 1))
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks," \
   "master $MASTER_ADDR:$MASTER_PORT"
-# srun -c: Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun, and where tasks are bound to
-# cores each would get one. --wait=30: once one task has ended, srun kills the others 30 s later instead of
-# leaving them waiting for it in a collective; after a stop, every task leaves by itself within those seconds.
-# --kill-on-bad-exit=0 overrides a site's KillOnBadExit=1, which would end them at the first one's 144 (those
-# slower than KillWait are killed, and srun returns their signal's status, not 144). The checkpoint path is
-# fixed per job, so a requeued job (same id) resumes; pass --checkpoint to choose it. Slurm signals every
-# process of the tasks: start python itself (or exec it), not under a wrapper (bash -c, time, numactl) that
-# would die of the signal.
+# srun -c: Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun. --wait=30 ends the other tasks
+# 30 s after the first one ends, instead of leaving them in a collective; --kill-on-bad-exit=0 keeps a site's
+# KillOnBadExit=1 from killing them at the first 144 before they leave (05_ddp_slurm/README.md says more).
+# The checkpoint path is fixed per job, so a requeued job (same id) resumes; pass --checkpoint to choose it.
+# Start python itself (or exec it), not under a wrapper (bash -c, time, numactl) that dies of the signal.
+# Every task sees all of its node's GPUs here. A site that binds GPUs per task fences them off from each
+# other, and NCCL cannot use NVLink between tasks: on Slurm 23.11.4 or later add
+# --gres-flags=allow-task-sharing to this srun line (untested here; 05_ddp_slurm/README.md, GPU binding).
 status=0
 srun --kill-on-bad-exit=0 --wait=30 --cpus-per-task="$CPUS" "$PYTHON" -u "$TRAIN_PY" --workers "$WORKERS" \
   --checkpoint "checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID.pt" "$@" || status=$?
