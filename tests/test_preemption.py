@@ -56,19 +56,6 @@ if os.environ.get("TEST_SIGNAL_AT_FETCH"):  # "SIZE:N": SIGUSR2 to itself at the
             os.kill(os.getpid(), signal.SIGUSR2)
         return fetch(self, index)
     torch.utils.data.TensorDataset.__getitem__ = signalling_fetch
-if os.environ.get("TEST_FREEZE_AT_FETCH"):  # "SIZE:N0,N1,..:FILE": in the job's run k (SLURM_RESTART_COUNT), at its
-    import signal, torch.utils.data  # Nk-th sample of a set of SIZE, its pid to FILE, then SIGSTOP until a SIGCONT
-    size, nths, marker = os.environ["TEST_FREEZE_AT_FETCH"].split(":")
-    nths = [int(n) for n in nths.split(",")] + [0] * 99
-    fetch, fetches = torch.utils.data.TensorDataset.__getitem__, [0]
-    def freezing_fetch(self, index):
-        fetches[0] += len(self) == int(size)
-        if len(self) == int(size) and fetches[0] == nths[int(os.environ.get("SLURM_RESTART_COUNT", 0))]:
-            with open(marker, "a") as log:
-                log.write(f"{os.getpid()}\\n")
-            os.kill(os.getpid(), signal.SIGSTOP)
-        return fetch(self, index)
-    torch.utils.data.TensorDataset.__getitem__ = freezing_fetch
 if trains and (os.environ.get("TEST_STEP_CLOCK") or os.environ.get("TEST_HOLD_AT_STEP")):
     import sys, time
     from torch.optim.optimizer import register_optimizer_step_post_hook
