@@ -125,11 +125,11 @@ def evaluate(model, loader, device):
     return counts.tolist()
 
 
-def save_checkpoint(path, model, optimizer, epoch):
+def save_checkpoint(path, model, optimizer, **position):
     """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, f)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **position}, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
@@ -176,7 +176,7 @@ def train(args, device):
         train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
         if args.checkpoint:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
+            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1)
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
                    f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")
         print(summary, flush=True)

@@ -189,12 +189,11 @@ def evaluate(model, loader, device):
     return None if counts[2] else counts[:2].tolist()
 
 
-def save_checkpoint(path, model, optimizer, epoch, **position):
-    """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact. SLURM:
-    position says where in the next epoch training stopped, what that depends on, and the loss until then."""
+def save_checkpoint(path, model, optimizer, **position):
+    """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, **position}, f)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **position}, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
@@ -289,7 +288,7 @@ def train(args, rank, world_size, device):
 
     def save_position(epoch, step):  # SLURM: the model after `step` steps of `epoch`, and what they mean
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch, step=step, world_size=world_size,
+            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch, step=step, world_size=world_size,
                             batch_size=args.batch_size, seed=args.seed, samples=len(train_set), totals=done)
         dist.barrier(group=rank0_work)
 
@@ -325,7 +324,7 @@ def train(args, rank, world_size, device):
         correct, total = counts
         loss, start_step, done = done[0] / done[1], 0, [0, 0]  # SLURM: later epochs start at step 0
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
+            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1)
         dist.barrier(group=rank0_work)  # DDP: the others wait until the checkpoint is complete
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
                    f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")

@@ -20,7 +20,7 @@ SHARED = {
     "parse_args": ["01 02"],
     "train_one_epoch": ["01 02", "03 04", "05 06"],
     "evaluate": ["01 02", "03 04", "05 06"],
-    "save_checkpoint": ["01 02 03 04", "05 06"],
+    "save_checkpoint": ["01 02 03 04 05 06"],
     "load_checkpoint": ["01 02", "03 04 05 06"],
     "setup": ["03 04", "05 06"],
     "train": ["03 04", "05 06"],
