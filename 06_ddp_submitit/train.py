@@ -11,7 +11,6 @@ import argparse
 import importlib
 import multiprocessing.resource_tracker
 import os
-import shlex
 import signal
 import socket
 import sys
@@ -359,22 +358,6 @@ def run(args):
         sys.exit(code)  # submitit: no result yet; the requeued job writes it
 
 
-# submitit: the first port from 20000 + job id mod 12000 on that no process of this node listens (as in 05).
-PORT_PROBE = """
-import os, socket
-job = int(os.environ["SLURM_JOB_ID"])
-for port in (20000 + (job + i) % 12000 for i in range(12000)):
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
-        try:
-            probe.bind(("", port))
-        except OSError:
-            continue
-    print(port)
-    break
-"""
-
-
 def main():
     args = parse_args()
     # submitit: the job inherits these from an allocation or torchrun; TorchDistributedEnvironment would take them.
@@ -387,14 +370,19 @@ def main():
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min, slurm_partition=args.partition,
                                # submitit: as 05's submit.sh, which says why; on the first node, the threads and a
-                               # port that no process there holds now.
+                               # port that no process there listens on (found by bash: the host may lack Python).
                                slurm_signal_delay_s=120, slurm_additional_parameters={"requeue": True},
                                slurm_srun_args=["--kill-on-bad-exit=0", "--wait=30",
                                                 f"--cpus-per-task={args.cpus_per_task}"],
                                slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",
-                                            f"export MASTER_PORT=$({sys.executable} -c {shlex.quote(PORT_PROBE)})"],
+                                            "export MASTER_PORT=$(for ((i = 0; i < 12000; i++)); do port=$((20000 + "
+                                            "(SLURM_JOB_ID + i) % 12000)); (: </dev/tcp/127.0.0.1/$port) 2>/dev/null "
+                                            "|| { echo $port; break; }; done)"],
                                slurm_teardown=[f'status=$?; if [ $status = {STOPPED} ]; then scontrol requeue '
-                                               '"$SLURM_JOB_ID"; fi; exit $status'])
+                                               '"$SLURM_JOB_ID"; fi; exit $status'],
+                               # submitit: --local gives its tasks GPUs 0 to n-1 unless told those of this shell
+                               local_setup=[f"export CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"]
+                               if "CUDA_VISIBLE_DEVICES" in os.environ else [])
     # submitit: the job imports this file as a module, found through the PYTHONPATH it inherits (not __main__, pickled
     # by value), so that workers started by spawn or forkserver find its classes by name when given the dataset.
     here, name = os.path.split(os.path.splitext(os.path.abspath(__file__))[0])
