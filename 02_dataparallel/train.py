@@ -22,16 +22,14 @@ def parse_args():
     parser = argparse.ArgumentParser(description="Train a small CNN on MNIST.")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
-    parser.add_argument("--test-batch-size", type=int, default=1000,
-                        help="samples per evaluation step in each process (no gradients: more fit than when training)")
+    parser.add_argument("--test-batch-size", type=int, default=1000, help="samples per evaluation step in each process")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int, default=0,
-                        help="data-loader worker processes per process (0: this process fetches the samples, "
-                             "which suits data in memory; more for data read from disk or decoded per sample)")
+                        help="data-loader worker processes per process (0: none, for data in memory; more for files)")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
@@ -72,11 +70,9 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN. No dropout and no BatchNorm: dropout draws other masks in each process and BatchNorm
-    normalises over each process's own batch, so the steps would compute different things (a model with
-    BatchNorm wants nn.SyncBatchNorm under DDP). SiLU and average pooling rather than ReLU and max pooling:
-    their output moves smoothly with the weights, so the rounding differences between steps (DDP adds
-    gradients in another order) stay near 1e-6 instead of flipping which input wins a max and growing."""
+    """A small CNN. No dropout or BatchNorm, which compute differently in each process (BatchNorm under DDP wants
+    nn.SyncBatchNorm). SiLU and average pooling, not ReLU and max pooling: smooth in the weights, so the rounding
+    differences between steps (DDP adds gradients in another order) stay near 1e-6 instead of flipping a max."""
 
     def __init__(self):
         super().__init__()
@@ -125,11 +121,11 @@ def evaluate(model, loader, device):
     return counts.tolist()
 
 
-def save_checkpoint(path, model, optimizer, epoch):
+def save_checkpoint(path, model, optimizer, **position):
     """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, f)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **position}, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
@@ -178,7 +174,7 @@ def train(args, device):
         train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
         if args.checkpoint:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
+            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1)
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
                    f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")
         print(summary, flush=True)

@@ -25,22 +25,19 @@ def parse_args():
     parser = argparse.ArgumentParser(description="Train a small CNN on MNIST.")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
-    parser.add_argument("--test-batch-size", type=int, default=1000,
-                        help="samples per evaluation step in each process (no gradients: more fit than when training)")
+    parser.add_argument("--test-batch-size", type=int, default=1000, help="samples per evaluation step in each process")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int, default=0,
-                        help="data-loader worker processes per process (0: this process fetches the samples, "
-                             "which suits data in memory; more for data read from disk or decoded per sample)")
+                        help="data-loader worker processes per process (0: none, for data in memory; more for files)")
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
     parser.add_argument("--collective-timeout", type=float, default=600,
-                        help="seconds a collective waits for every rank: a rank that stops answering ends the run "
-                             "after this long (rank 0's download and checkpoints get at least an hour)")
+                        help="seconds a collective waits for a rank that stopped answering, then ends the run")
     args = parser.parse_args()
     if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
         parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
@@ -80,11 +77,9 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN. No dropout and no BatchNorm: dropout draws other masks in each process and BatchNorm
-    normalises over each process's own batch, so the steps would compute different things (a model with
-    BatchNorm wants nn.SyncBatchNorm under DDP). SiLU and average pooling rather than ReLU and max pooling:
-    their output moves smoothly with the weights, so the rounding differences between steps (DDP adds
-    gradients in another order) stay near 1e-6 instead of flipping which input wins a max and growing."""
+    """A small CNN. No dropout or BatchNorm, which compute differently in each process (BatchNorm under DDP wants
+    nn.SyncBatchNorm). SiLU and average pooling, not ReLU and max pooling: smooth in the weights, so the rounding
+    differences between steps (DDP adds gradients in another order) stay near 1e-6 instead of flipping a max."""
 
     def __init__(self):
         super().__init__()
@@ -136,11 +131,11 @@ def evaluate(model, loader, device):
     return counts.tolist()
 
 
-def save_checkpoint(path, model, optimizer, epoch):
+def save_checkpoint(path, model, optimizer, **position):
     """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, f)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **position}, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
@@ -149,19 +144,17 @@ def save_checkpoint(path, model, optimizer, epoch):
 def load_checkpoint(path, model, optimizer, group):
     """Restore model and optimizer from path if it exists; returns where it left off ({"epoch": ...}), or None.
     The file is mapped, not read into memory: its tensors are copied once, into the model and the optimizer
-    on this process's device, and nothing else of it is kept. DDP: every rank maps the file (a node's ranks
-    share its pages), and rank 0's view decides: if a rank sees no file or another one, as where a node's view
-    of shared storage lags behind, every rank stops, with one line, rather than train from different states."""
+    on this process's device, and nothing else of it is kept."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if os.path.exists(path) else None
+    # DDP: every rank maps the file (a node's ranks share its pages). If one sees no file or another, as where a
+    # node's view of shared storage lags, all stop with one line rather than train from different states.
     position = state and {key: value for key, value in state.items() if key not in ("model", "optimizer")}
-    rank0s = [position]
-    dist.broadcast_object_list(rank0s, group=group)  # DDP: rank 0's position (a few numbers) to every rank
-    differ = torch.tensor(int(position != rank0s[0]))
-    dist.all_reduce(differ, group=group)  # DDP: so that every rank knows whether one differs
-    if differ:
-        seen = [f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file" for p in (position, rank0s[0])]
+    positions = [None] * dist.get_world_size()
+    dist.all_gather_object(positions, position, group=group)  # DDP: every rank's position (a few numbers)
+    if any(p != positions[0] for p in positions):
+        seen = [f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file" for p in (position, positions[0])]
         sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {seen[0]} at {path}, rank 0 "
-                 f"{seen[1]}: start again once every node sees rank 0's file" if position != rank0s[0] else 1)
+                 f"{seen[1]}: start again once every node sees rank 0's file" if position != positions[0] else 1)
     if state is not None:
         model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
         optimizer.load_state_dict(state.pop("optimizer"))
@@ -169,8 +162,7 @@ def load_checkpoint(path, model, optimizer, group):
 
 
 def setup(rank, local_rank, world_size, timeout, store=None):
-    """DDP: pick this process's device and join the process group (through store, which only 03 passes, or
-    the MASTER_ADDR and MASTER_PORT of the environment); returns the device."""
+    """DDP: pick this process's device and join the process group (at store, or MASTER_ADDR:MASTER_PORT)."""
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # DDP: one process per GPU of the node
         torch.cuda.set_device(device)
@@ -186,22 +178,19 @@ def setup(rank, local_rank, world_size, timeout, store=None):
 
 def train(args, rank, world_size, device):
     is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
-    # DDP: the others wait here while rank 0 alone works (a download, a checkpoint), which can take longer than
-    # --collective-timeout: this group allows at least an hour (Gloo, on the CPU: it takes no GPU memory).
+    # DDP: the others wait here while rank 0 alone downloads or saves: at least an hour (Gloo: takes no GPU memory).
     rank0_work = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, args.collective_timeout)))
     if not is_main:  # DDP: rank 0 loads the data first, downloading what is missing; the others once it has
         dist.barrier(group=rank0_work)
     train_set, test_set = load_datasets(args)
     if is_main:
         dist.barrier(group=rank0_work)
-    # DDP: each rank takes every world_size-th index of the epoch's order (set by --seed and the epoch, below);
-    # a few repeats pad it so that all ranks take the same number of steps.
+    test_set = Subset(test_set, range(rank, len(test_set), world_size))  # DDP: disjoint slices, no padding: exact sums
+    # DDP: each rank takes every world_size-th index of the epoch's order, padded to the same number of steps.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
-    # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.
-    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)),
-                             batch_size=args.test_batch_size, **loader_args)
+    test_loader = DataLoader(test_set, batch_size=args.test_batch_size, **loader_args)
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
@@ -227,7 +216,7 @@ def train(args, rank, world_size, device):
         train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
+            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1)
         dist.barrier(group=rank0_work)  # DDP: the others wait until the checkpoint is complete
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
                    f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")
@@ -242,10 +231,8 @@ def main():
         sys.exit("error: start this script with torchrun: bash 04_ddp_torchrun/run.sh (see its header)")
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = setup(rank, local_rank, world_size, args.collective_timeout)
-    try:
-        train(args, rank, world_size, device)
-    finally:
-        dist.destroy_process_group()  # DDP: also after an error
+    train(args, rank, world_size, device)
+    dist.destroy_process_group()  # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ import argparse
 import importlib
 import multiprocessing.resource_tracker
 import os
-import shlex
 import signal
 import socket
 import sys
@@ -31,8 +30,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description="Train a small CNN on MNIST.")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
-    parser.add_argument("--test-batch-size", type=int, default=1000,
-                        help="samples per evaluation step in each process (no gradients: more fit than when training)")
+    parser.add_argument("--test-batch-size", type=int, default=1000, help="samples per evaluation step in each process")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
@@ -44,11 +42,9 @@ def parse_args():
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
     parser.add_argument("--save-every", type=float, default=30, metavar="MINUTES",
-                        help="also save inside an epoch this often (0: only at its end and on a stop signal), so "
-                             "that a job killed without a warning (a node fails, out of memory) loses at most this")
+                        help="also save inside an epoch this often (0: never), for a job killed without a warning")
     parser.add_argument("--collective-timeout", type=float, default=600,
-                        help="seconds a collective waits for every rank: a rank that stops answering ends the run "
-                             "after this long (rank 0's download and checkpoints get at least an hour)")
+                        help="seconds a collective waits for a rank that stopped answering, then ends the run")
     parser.add_argument("--local", action="store_true", help="run the tasks as processes on this machine")
     parser.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
     parser.add_argument("--gpus-per-node", type=int,
@@ -64,8 +60,7 @@ def parse_args():
         parser.error("--nodes, --tasks-per-node, --cpus-per-task and --timeout-min must be at least 1")
     if args.local and args.nodes > 1:
         parser.error("--local runs the tasks on this machine: one node")
-    # submitit: the task's cores are split so that nothing runs on top of anything else: half (or --workers) for
-    # data-loader workers, one core each, the rest for the main process's threads (OMP_NUM_THREADS, in main()).
+    # submitit: half of the task's cores (or --workers) for data-loader workers, the rest for threads (in main()).
     args.workers = args.cpus_per_task // 2 if args.workers is None else args.workers
     if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
         parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
@@ -110,11 +105,9 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN. No dropout and no BatchNorm: dropout draws other masks in each process and BatchNorm
-    normalises over each process's own batch, so the steps would compute different things (a model with
-    BatchNorm wants nn.SyncBatchNorm under DDP). SiLU and average pooling rather than ReLU and max pooling:
-    their output moves smoothly with the weights, so the rounding differences between steps (DDP adds
-    gradients in another order) stay near 1e-6 instead of flipping which input wins a max and growing."""
+    """A small CNN. No dropout or BatchNorm, which compute differently in each process (BatchNorm under DDP wants
+    nn.SyncBatchNorm). SiLU and average pooling, not ReLU and max pooling: smooth in the weights, so the rounding
+    differences between steps (DDP adds gradients in another order) stay near 1e-6 instead of flipping a max."""
 
     def __init__(self):
         super().__init__()
@@ -130,22 +123,31 @@ class Net(nn.Module):
 
 
 class ResumableSampler(DistributedSampler):
-    """SLURM: a DistributedSampler that skips the first `start` indices of this rank's share of the epoch, so
-    that a job resumed inside an epoch does not load the batches it trained before it was stopped."""
+    """SLURM: a DistributedSampler that skips the first `start` indices of this rank's share of the epoch: those of
+    the steps trained before a stop. Its length stays the epoch's, as the steps in the progress lines do."""
     start = 0
 
     def __iter__(self):
         return iter(list(super().__iter__())[self.start:])
 
-    def __len__(self):
-        return max(0, super().__len__() - self.start)
-
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # SLURM: the time-limit warning; a preemption or scancel
 STOP = {}  # SLURM: {"signal": the first stop signal this process had}, set by the handler
 STOP_CHECK_SECONDS = 2  # SLURM: the ranks agree on stopping about this often (a collective that waits for the GPU)
-STOP_LEAD_SECONDS = 120  # SLURM: how long before the time limit Slurm warns (--signal=USR2@120)
 STOPPED = 144  # SLURM: the exit code of tasks that stopped and saved; the batch script then requeues the job
+
+
+def catch_stop_signals():
+    """SLURM: Slurm sends SIGUSR2 and SIGTERM to every process of the task, and data-loader workers started by
+    forkserver (Python 3.14's default) or spawn would die of them. So this blocks both: processes and threads started
+    later keep them pending, where signalled() finds them (a thread started before takes them in the handler)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # CPython's resource tracker unblocks SIGTERM in the thread that starts it: start it now, under the block, and
+    # block again (else the first worker started by forkserver or spawn would start it, and unblock SIGTERM here).
+    multiprocessing.resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 def signalled():
@@ -153,7 +155,7 @@ def signalled():
     return STOP.get("signal") or max(signal.sigpending() & set(STOP_SIGNALS), default=0)
 
 
-def stop_requested(device, since, started):
+def stop_requested(device, since=0, started=0):
     """SLURM: a collective; returns the same on every rank, so that all stop (or save) at one step and plan the
     next check alike: the stop signal a rank has had (else 0), the slowest rank's seconds since since and started."""
     state = torch.tensor([float(signalled()), time.monotonic() - since, time.monotonic() - started], device=device)
@@ -163,22 +165,20 @@ def stop_requested(device, since, started):
 
 
 def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start_step=0, save_every=0):
-    """One pass over loader, whose sampler starts at batch start_step; returns ([sum of losses, samples] over all
-    ranks, None, 0), or those until the step at which all ranks stopped, save_every seconds after the start (0:
-    never) or on a stop signal, which comes last. Every log_interval steps (0: never) it prints a progress line."""
+    """One pass over loader from step start_step, or until all ranks stop at one step, save_every minutes in (0:
+    never) or on a stop signal; returns ([sum of losses, samples] over ranks, that step or None, the signal or 0)."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
     logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
-    check_at, every, started, stopped_at, signum = start_step, 1, time.monotonic(), None, 0
-    last_check = started
+    check_at, every, stopped_at, signum = start_step, 1, None, 0
+    started = last_check = time.monotonic()
     for step, (images, labels) in enumerate(loader, start_step):
         if step == check_at:  # SLURM: each check waits for the GPU, so as many steps apart as take STOP_CHECK_SECONDS
             signum, seconds, running = stop_requested(device, last_check, started)
-            if signum or 0 < save_every <= running:
+            if signum or 0 < 60 * save_every <= running:
                 stopped_at = step
                 break
-            step_seconds = seconds / every  # on the slowest rank: the same number on every rank
-            every = max(1, min(2 * every, int(STOP_CHECK_SECONDS / max(step_seconds, 1e-6))))
+            every = max(1, min(2 * every, int(STOP_CHECK_SECONDS * every / max(seconds, 1e-6))))  # alike on all ranks
             check_at, last_check = step + every, time.monotonic()
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
@@ -190,7 +190,7 @@ def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start
         if log_interval and (step + 1) % log_interval == 0:  # one GPU sync per progress line, none between
             (loss_sum, samples), now = (totals - logged).tolist(), time.perf_counter()
             # DDP: rank 0's own loss (an average over ranks would take a collective); each rank trains as many.
-            print(f"epoch {epoch + 1} step {step + 1}/{start_step + len(loader)} | loss {loss_sum / samples:.4f} "
+            print(f"epoch {epoch + 1} step {step + 1}/{len(loader)} | loss {loss_sum / samples:.4f} "
                   f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} samples/s", flush=True)
             logged, logged_at = totals.clone(), now
     dist.all_reduce(totals)  # DDP: sum over ranks, so rank 0 reports the global mean loss
@@ -199,26 +199,24 @@ def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Returns [correct, total] over loader, or None on every rank when a rank had a stop signal before the end."""
+    """Returns [correct, total] over loader."""
     model.eval()
-    counts = torch.zeros(3, dtype=torch.int64, device=device)  # [correct, total, ranks that stopped early]
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
     for images, labels in loader:
-        if signalled():  # SLURM: no collective here, as ranks may have one batch more than others
-            counts[2] = 1
+        if signalled():  # SLURM: train() then stops; no collective here, as ranks may have one batch more than others
             break
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         counts[0] += (model(images).argmax(dim=1) == labels).sum()
         counts[1] += len(labels)
     dist.all_reduce(counts)  # DDP: add up the ranks' disjoint shards
-    return None if counts[2] else counts[:2].tolist()
+    return counts.tolist()
 
 
-def save_checkpoint(path, model, optimizer, epoch, **position):
-    """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact. SLURM:
-    position says where in the next epoch training stopped, what that depends on, and the loss until then."""
+def save_checkpoint(path, model, optimizer, **position):
+    """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, **position}, f)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **position}, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
@@ -227,19 +225,17 @@ def save_checkpoint(path, model, optimizer, epoch, **position):
 def load_checkpoint(path, model, optimizer, group):
     """Restore model and optimizer from path if it exists; returns where it left off ({"epoch": ...}), or None.
     The file is mapped, not read into memory: its tensors are copied once, into the model and the optimizer
-    on this process's device, and nothing else of it is kept. DDP: every rank maps the file (a node's ranks
-    share its pages), and rank 0's view decides: if a rank sees no file or another one, as where a node's view
-    of shared storage lags behind, every rank stops, with one line, rather than train from different states."""
+    on this process's device, and nothing else of it is kept."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if os.path.exists(path) else None
+    # DDP: every rank maps the file (a node's ranks share its pages). If one sees no file or another, as where a
+    # node's view of shared storage lags, all stop with one line rather than train from different states.
     position = state and {key: value for key, value in state.items() if key not in ("model", "optimizer")}
-    rank0s = [position]
-    dist.broadcast_object_list(rank0s, group=group)  # DDP: rank 0's position (a few numbers) to every rank
-    differ = torch.tensor(int(position != rank0s[0]))
-    dist.all_reduce(differ, group=group)  # DDP: so that every rank knows whether one differs
-    if differ:
-        seen = [f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file" for p in (position, rank0s[0])]
+    positions = [None] * dist.get_world_size()
+    dist.all_gather_object(positions, position, group=group)  # DDP: every rank's position (a few numbers)
+    if any(p != positions[0] for p in positions):
+        seen = [f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file" for p in (position, positions[0])]
         sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {seen[0]} at {path}, rank 0 "
-                 f"{seen[1]}: start again once every node sees rank 0's file" if position != rank0s[0] else 1)
+                 f"{seen[1]}: start again once every node sees rank 0's file" if position != positions[0] else 1)
     if state is not None:
         model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
         optimizer.load_state_dict(state.pop("optimizer"))
@@ -247,11 +243,10 @@ def load_checkpoint(path, model, optimizer, group):
 
 
 def setup(rank, local_rank, world_size, timeout, store=None):
-    """DDP: pick this process's device and join the process group (through store, which only 03 passes, or
-    the MASTER_ADDR and MASTER_PORT of the environment); returns the device."""
+    """DDP: pick this process's device and join the process group (at store, or MASTER_ADDR:MASTER_PORT)."""
     if torch.cuda.is_available():
-        # SLURM: a task sees all of its node's GPUs (it takes its local rank's) or, where the site binds one GPU
-        # to each task (--gpus-per-task, --gpu-bind, a container), only its own, as cuda:0.
+        # SLURM: a task sees its node's GPUs and takes its local rank's or, where the site binds one GPU to each task,
+        # only its own, as cuda:0 (then NCCL reaches the others only with srun --gres-flags=allow-task-sharing).
         visible = torch.cuda.device_count()
         if local_rank >= visible and visible != 1:
             sys.exit(f"error: local rank {local_rank} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
@@ -271,85 +266,76 @@ def setup(rank, local_rank, world_size, timeout, store=None):
 
 def train(args, rank, world_size, device):
     is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
-    # DDP: the others wait here while rank 0 alone works (a download, a checkpoint), which can take longer than
-    # --collective-timeout: this group allows at least an hour (Gloo, on the CPU: it takes no GPU memory).
+    # DDP: the others wait here while rank 0 alone downloads or saves: at least an hour (Gloo: takes no GPU memory).
     rank0_work = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, args.collective_timeout)))
     if not is_main:  # DDP: rank 0 loads the data first, downloading what is missing; the others once it has
         dist.barrier(group=rank0_work)
     train_set, test_set = load_datasets(args)
     if is_main:
         dist.barrier(group=rank0_work)
-    # DDP: each rank takes every world_size-th index of the epoch's order (set by --seed and the epoch, below);
-    # a few repeats pad it so that all ranks take the same number of steps.
+    test_set = Subset(test_set, range(rank, len(test_set), world_size))  # DDP: disjoint slices, no padding: exact sums
+    # DDP: each rank takes every world_size-th index of the epoch's order, padded to the same number of steps.
     sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
-    # DDP: each rank scores a disjoint slice of the test set, with no padding, so the sums are exact.
-    test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), world_size)),
-                             batch_size=args.test_batch_size, **loader_args)
+    test_loader = DataLoader(test_set, batch_size=args.test_batch_size, **loader_args)
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     position = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
     start_epoch = position["epoch"] if position else 0
-    # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then. A step means
-    # the same samples under any layout of the same global batch, --seed and training set (the order is split by
-    # rank), so those must match.
-    start_step, done = 0, [0, 0]
-    if position and position.get("step"):
-        start_step, done = position["step"], position["totals"]
-        saved = (position["world_size"] * position["batch_size"], position["seed"], position["samples"])
-        if saved != (world_size * args.batch_size, args.seed, len(train_set)):
-            sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1} with {position['world_size']} "
-                     f"processes x {position['batch_size']} samples per step, --seed {position['seed']} and "
-                     f"{position['samples']} training samples; resume it with the same global batch, seed and data "
-                     f"(now {world_size} x {args.batch_size}, {args.seed}, {len(train_set)}) or from an end-of-epoch "
-                     "checkpoint" if is_main else 1)
+    # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then.
+    layout = (world_size * args.batch_size, args.seed, len(train_set))  # SLURM: what the samples of a step depend on
+    start_step, done = (position["step"], position["totals"]) if position and position.get("step") else (0, [0, 0])
+    if start_step and position["layout"] != layout:
+        sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1} with {position['world_size']} "
+                 f"processes x {position['batch_size']} samples per step, --seed {position['layout'][1]} and "
+                 f"{position['layout'][2]} training samples; resume it with the same global batch, seed and data (now "
+                 f"{world_size} x {args.batch_size}, {args.seed}, {len(train_set)}) or from an end-of-epoch checkpoint"
+                 if is_main else 1)
     if position and is_main:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch} step {start_step}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    def save_position(epoch, step):  # SLURM: the model after `step` steps of `epoch`, and what they mean
+    def save_position(epoch, step, signum=0):  # SLURM: the model after `step` steps of `epoch`, and what they mean
+        began = time.perf_counter()
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch, step=step, world_size=world_size,
-                            batch_size=args.batch_size, seed=args.seed, samples=len(train_set), totals=done)
+            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch, step=step, totals=done, layout=layout,
+                            world_size=world_size, batch_size=args.batch_size)
         dist.barrier(group=rank0_work)
+        saved = (f"saved in {time.perf_counter() - began:.1f} s, exit code {STOPPED} to be requeued" if args.checkpoint
+                 else "no --checkpoint, so nothing is saved and the job is not requeued (it would start over)")
+        if is_main and signum:  # SLURM: after a stop signal; STOPPED has the batch script requeue the job
+            print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}", flush=True)
+        elif is_main and args.checkpoint:
+            print(f"saved at epoch {epoch + 1} step {step} (--save-every {args.save_every:g})", flush=True)
+        return STOPPED if args.checkpoint else 0
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
         # Random numbers drawn here (dropout; augmentations with --workers 0) depend only on --seed and the epoch:
         # hash() of ints is the same in every run. Persistent workers take their seeds from here once per run.
         torch.manual_seed(hash((args.seed, epoch, rank)))  # DDP: and differ from rank to rank
-        start, train_time, samples = time.perf_counter(), 0, 0
-        while True:  # SLURM: the rest of the epoch, or up to a save (--save-every) or a stop signal
-            sampler.start = start_step * args.batch_size  # SLURM: this rank's samples of the steps trained already
-            began = time.perf_counter()
-            (loss_sum, trained), stopped_at, signum = train_one_epoch(
-                ddp_model, train_loader, optimizer, device, epoch, args.log_interval if is_main else 0, start_step,
-                60 * args.save_every)
-            train_time, samples = train_time + time.perf_counter() - began, samples + trained
-            done = [done[0] + loss_sum, done[1] + trained]
-            if stopped_at is None:
-                break
-            stopping = time.perf_counter()
-            save_position(epoch, stopped_at)
+        start, samples, step = time.perf_counter(), 0, start_step
+        while step is not None:  # SLURM: the rest of the epoch, in parts that end at a save (--save-every) or a stop
+            sampler.start = step * args.batch_size  # SLURM: this rank's samples of the steps trained already
+            (loss_sum, trained), step, signum = train_one_epoch(  # SLURM: from step to where all ranks stopped, or None
+                ddp_model, train_loader, optimizer, device, epoch, args.log_interval if is_main else 0, step,
+                args.save_every)
+            done, samples = [done[0] + loss_sum, done[1] + trained], samples + trained
             if signum:
-                return report_stop(is_main, args.checkpoint, epoch, stopped_at, signum, time.perf_counter() - stopping)
-            if is_main and args.checkpoint:
-                print(f"saved at epoch {epoch + 1} step {stopped_at} (--save-every {args.save_every:g})", flush=True)
-            start_step = stopped_at
-        stopping, counts = time.perf_counter(), evaluate(model, test_loader, device)
-        if counts is None:  # SLURM: a stop signal during the evaluation: the next run trains no step and evaluates
-            signum = stop_requested(device, stopping, stopping)[0]  # SLURM: which signal, the same on every rank
-            save_position(epoch, start_step + len(train_loader))
-            return report_stop(is_main, args.checkpoint, epoch, start_step + len(train_loader), signum,
-                               time.perf_counter() - stopping)
-        correct, total = counts
+                return save_position(epoch, step, signum)
+            if step is not None:
+                save_position(epoch, step)
+        train_time = time.perf_counter() - start
+        correct, total = evaluate(model, test_loader, device)
+        if signum := stop_requested(device)[0]:  # SLURM: a stop signal in evaluate(): the next run evaluates again
+            return save_position(epoch, len(train_loader), signum)
         loss, start_step, done = done[0] / done[1], 0, [0, 0]  # SLURM: later epochs start at step 0
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
+            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1)
         dist.barrier(group=rank0_work)  # DDP: the others wait until the checkpoint is complete
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
                    f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")
@@ -357,62 +343,24 @@ def train(args, rank, world_size, device):
             print(summary, flush=True)
 
 
-def report_stop(is_main, checkpoint, epoch, step, signum, seconds):
-    """SLURM: rank 0 says where the run stopped, on which signal and how long saving took; returns the exit code:
-    STOPPED, for the batch script to requeue the job, or 0 without a checkpoint (it would start over)."""
-    if is_main:
-        print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: " + (
-            f"saved in {seconds:.1f} s, exit code {STOPPED} to be requeued" if checkpoint else
-            "no --checkpoint, so nothing is saved and the job is not requeued (it would start over)"), flush=True)
-    if is_main and checkpoint and STOP_CHECK_SECONDS + seconds > STOP_LEAD_SECONDS / 2:  # past the lead: killed
-        print(f"warning: a stop takes up to {STOP_CHECK_SECONDS} s until the ranks check for it and {seconds:.0f} s "
-              f"to save, more than half of the {STOP_LEAD_SECONDS} s by which Slurm's warning (--signal) comes before "
-              "the time limit: give it a longer lead, and a preempting partition a long enough GraceTime", flush=True)
-    return STOPPED if checkpoint else 0
-
-
 def run(args):
     """One task of the job, as submitit starts it on every node."""
-    # submitit: its own handlers log SIGTERM and, on SIGUSR2, run `scontrol requeue` in the task, which an image
-    # without a Slurm client cannot do. Ours replace them as in 05 (and block both, for the data-loader workers):
-    # all ranks stop at one step, rank 0 saves, and every task exits with STOPPED, which the batch script's
-    # teardown, on the host, turns into a requeue (and --local's controller into a restart).
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    multiprocessing.resource_tracker.ensure_running()  # SLURM: then block again, as in 05
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # submitit: ours replace its handlers, whose `scontrol requeue` an image without Slurm cannot run: as in 05, the
+    # tasks exit with STOPPED, which the batch script's teardown (or --local's controller) turns into a requeue.
+    catch_stop_signals()
     # submitit: the rendezvous variables, with the MASTER_PORT that the batch script found free (see main()).
-    dist_env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    device = setup(dist_env.rank, dist_env.local_rank, dist_env.world_size, args.collective_timeout)
-    try:
-        code = train(args, dist_env.rank, dist_env.world_size, device)
-    finally:
-        dist.destroy_process_group()  # DDP: also after an error
+    env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
+    device = setup(rank, local_rank, world_size, args.collective_timeout)
+    code = train(args, rank, world_size, device)
+    dist.destroy_process_group()  # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all
     if code:
         sys.exit(code)  # submitit: no result yet; the requeued job writes it
 
 
-# submitit: the first port from 20000 + job id mod 12000 on that no process of this node listens (as in 05).
-PORT_PROBE = """
-import os, socket
-job = int(os.environ["SLURM_JOB_ID"])
-for port in (20000 + (job + i) % 12000 for i in range(12000)):
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
-        try:
-            probe.bind(("", port))
-        except OSError:
-            continue
-    print(port)
-    break
-"""
-
-
 def main():
     args = parse_args()
-    # submitit: the job inherits this shell's environment. One inside an allocation, or that ran torchrun, has
-    # these set: TorchDistributedEnvironment would take that MASTER_PORT and refuse to export over the rest.
+    # submitit: the job inherits these from an allocation or torchrun; TorchDistributedEnvironment would take them.
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
     # submitit: Slurm when there is one (or --local: processes here); a new log folder for every launch.
@@ -421,24 +369,22 @@ def main():
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min, slurm_partition=args.partition,
-                               slurm_signal_delay_s=STOP_LEAD_SECONDS, slurm_additional_parameters={"requeue": True},
-                               # submitit: 05's srun options: the others end 30 s after a task ends (=0 overrides
-                               # a site's KillOnBadExit=1, which would cut a slow exit after a stop short), and
-                               # --cpus-per-task, which Slurm 22.05 to 23.02 do not pass on by themselves.
+                               # submitit: as 05's submit.sh, which says why; on the first node, the threads and a
+                               # port that no process there listens on (found by bash: the host may lack Python).
+                               slurm_signal_delay_s=120, slurm_additional_parameters={"requeue": True},
                                slurm_srun_args=["--kill-on-bad-exit=0", "--wait=30",
                                                 f"--cpus-per-task={args.cpus_per_task}"],
-                               # submitit: the batch script's first lines, on the job's first node: the threads,
-                               # and a port that no process there holds now, found as 05's submit.sh does.
                                slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",
-                                            f"export MASTER_PORT=$({sys.executable} -c {shlex.quote(PORT_PROBE)})"],
-                               # submitit: its last line, on the host: a job whose tasks stopped and saved goes
-                               # back to the queue, as in 05 (a scancel has ended this script before); any other
-                               # exit status of srun stays the job's.
+                                            "export MASTER_PORT=$(for ((i = 0; i < 12000; i++)); do port=$((20000 + "
+                                            "(SLURM_JOB_ID + i) % 12000)); (: </dev/tcp/127.0.0.1/$port) 2>/dev/null "
+                                            "|| { echo $port; break; }; done)"],
                                slurm_teardown=[f'status=$?; if [ $status = {STOPPED} ]; then scontrol requeue '
-                                               '"$SLURM_JOB_ID"; fi; exit $status'])
-    # submitit: the job gets this file imported as a module (pickled by name, not as __main__ by value), so that
-    # its classes are found by name in the job's processes: spawn and forkserver (Python 3.14's default) pickle the
-    # dataset for every data-loader worker. The job finds the module through the PYTHONPATH it inherits.
+                                               '"$SLURM_JOB_ID"; fi; exit $status'],
+                               # submitit: --local gives its tasks GPUs 0 to n-1 unless told those of this shell
+                               local_setup=[f"export CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"]
+                               if "CUDA_VISIBLE_DEVICES" in os.environ else [])
+    # submitit: the job imports this file as a module, found through the PYTHONPATH it inherits (not __main__, pickled
+    # by value), so that workers started by spawn or forkserver find its classes by name when given the dataset.
     here, name = os.path.split(os.path.splitext(os.path.abspath(__file__))[0])
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     job = executor.submit(importlib.import_module(name).run, args)

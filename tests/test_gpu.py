@@ -240,7 +240,7 @@ def test_a_resume_on_the_gpu_holds_at_most_one_copy_of_the_state(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     for parameter in model.parameters():
         optimizer.state[parameter]["momentum_buffer"] = torch.randn_like(parameter)
-    module.save_checkpoint(str(tmp_path / "ckpt.pt"), model, optimizer, 1)
+    module.save_checkpoint(str(tmp_path / "ckpt.pt"), model, optimizer, epoch=1)
     state_mb = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     del model, optimizer
     (tmp_path / "site").mkdir()
