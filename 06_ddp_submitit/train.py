@@ -4,7 +4,7 @@ Run:  python 06_ddp_submitit/train.py --nodes 2 --gpus-per-node 4 --cpus-per-tas
       python 06_ddp_submitit/train.py --local --dataset synthetic   (no cluster needed)
 
 Changed since 05: no batch script of ours: this file submits itself through submitit, which writes one
-(with 05's port search and requeue), prints the job's log folder and waits for the job, through its
+(with 05's requeue and port search, done in bash), prints the job's log folder and waits for the job, through its
 requeues. submitit runs run() in every task, where TorchDistributedEnvironment sets the rendezvous.
 """
 import argparse
@@ -379,10 +379,7 @@ def main():
                                             "(SLURM_JOB_ID + i) % 12000)); (: </dev/tcp/127.0.0.1/$port) 2>/dev/null "
                                             "|| { echo $port; break; }; done)"],
                                slurm_teardown=[f'status=$?; if [ $status = {STOPPED} ]; then scontrol requeue '
-                                               '"$SLURM_JOB_ID"; fi; exit $status'],
-                               # submitit: --local gives its tasks GPUs 0 to n-1 unless told those of this shell
-                               local_setup=[f"export CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']}"]
-                               if "CUDA_VISIBLE_DEVICES" in os.environ else [])
+                                               '"$SLURM_JOB_ID"; fi; exit $status'])
     # submitit: the job imports this file as a module, found through the PYTHONPATH it inherits (not __main__, pickled
     # by value), so that workers started by spawn or forkserver find its classes by name when given the dataset.
     here, name = os.path.split(os.path.splitext(os.path.abspath(__file__))[0])

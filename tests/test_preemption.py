@@ -40,7 +40,7 @@ if os.environ.get("TEST_SLOW_EXIT"):  # "RANK:SECONDS": that rank's training pro
 if os.environ.get("TEST_FETCH_LOG"):
     import torch.utils.data
     fetch = torch.utils.data.TensorDataset.__getitem__
-    def logged_fetch(self, index):  # one index, or a batch's list of them
+    def logged_fetch(self, index, fetch=fetch):  # one index, or a batch's list of them
         with open(os.environ["TEST_FETCH_LOG"], "a") as log:
             for i in index if isinstance(index, list) else [index]:
                 log.write(f"{os.environ.get('SLURM_PROCID')} {len(self)} {i}\\n")
@@ -50,7 +50,7 @@ if os.environ.get("TEST_SIGNAL_AT_FETCH"):  # "SIZE:N": SIGUSR2 to itself at the
     import signal, torch.utils.data
     size, nth = map(int, os.environ["TEST_SIGNAL_AT_FETCH"].split(":"))
     fetch, fetches = torch.utils.data.TensorDataset.__getitem__, [0]
-    def signalling_fetch(self, index):
+    def signalling_fetch(self, index, fetch=fetch):  # fetch: this one's, as TEST_FETCH_LOG's may wrap it
         fetches[0] += len(self) == size
         if len(self) == size and fetches[0] == nth:
             os.kill(os.getpid(), signal.SIGUSR2)
@@ -208,12 +208,12 @@ def preempt_05(env, checkpoint, workers, signals):
     return output
 
 
-# Rank 0's data-loader workers start by forkserver (Python 3.14's default) and every process of its task gets SIGTERM
-# (a preemption, scancel); rank 1's start by spawn and get SIGUSR2 (the time-limit warning). Workers started by fork
+# Rank 0's data-loader workers start by forkserver (Python 3.14's default) and every process of its task gets SIGUSR2
+# (the time-limit warning); rank 1's start by spawn and get SIGTERM (a preemption, scancel). Workers started by fork
 # (Linux's default before 3.14) get both signals in the Slurm tests' jobs, from Slurm (test_slurm.py). A signal to one
 # process only: test_05_a_signal_during_evaluation_stops_the_job, test_05_without_a_checkpoint_a_stop_ends_the_run...
 START_METHODS = ("forkserver", "spawn")
-SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # rank 0 prints the stop line: the one signal that only rank 1 has had
 
 
 @pytest.fixture(scope="session")
@@ -237,7 +237,7 @@ def preempted(shared):
 
 
 def test_05_preemption_with_workers_of_any_start_method(preempted, ladder, reference):
-    """SIGTERM (a preemption, scancel) to every process of one task and SIGUSR2 (the time-limit warning) to every
+    """SIGUSR2 (the time-limit warning) to every process of one task and SIGTERM (a preemption, scancel) to every
     process of the other, whose data-loader workers start by forkserver and by spawn: no process dies, all ranks stop
     at one step inside epoch 2, rank 0 saves, and every task exits with the code that has submit.sh requeue the job,
     running no Slurm command itself; the resumed run loads none of the batches it trained before the stop and ends
@@ -362,20 +362,23 @@ def test_06_local_preemption_requeues_and_resumes(cluster_env, ladder, tmp_path)
 
 
 def test_05_a_signal_during_evaluation_stops_the_job(cluster_env, reference, tmp_path, capsys):
-    """Rank 1 signals itself during epoch 2's evaluation (at its 401st test sample; 400 per rank and epoch),
-    rank 0 gets nothing: both stop there, rank 0 saves the epoch as trained, both exit to be requeued; the
-    resumed run (here in this process, 1 x 64: the same global batch) trains no step, evaluates, and prints
-    epoch 2's line with the uninterrupted run's loss."""
-    checkpoint = tmp_path / "ckpt.pt"
-    signal_on_rank_1 = lambda **kw: cluster_env(**kw, **(  # noqa: E731
+    """Rank 1 signals itself during epoch 2's evaluation (at its 401st test sample, in its first batch of 100; 400
+    per rank and epoch), rank 0 gets nothing: rank 1 evaluates no further, both stop there, rank 0 saves the epoch
+    as trained, both exit to be requeued; the resumed run (here in this process, 1 x 64: the same global batch)
+    trains no step, evaluates, and prints epoch 2's line with the uninterrupted run's loss."""
+    checkpoint, fetch_log = tmp_path / "ckpt.pt", tmp_path / "fetches.log"
+    signal_on_rank_1 = lambda **kw: cluster_env(**kw, TEST_FETCH_LOG=str(fetch_log), **(  # noqa: E731
         {"TEST_SIGNAL_AT_FETCH": "800:401"} if kw["SLURM_PROCID"] == "1" else {}))
-    procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "2", "--checkpoint", str(checkpoint)],
-                     signal_on_rank_1)
+    procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "2", "--test-batch-size", "100", "--checkpoint",
+                      str(checkpoint)], signal_on_rank_1)
     codes, output = finish_all(procs, timeout=60)
     assert codes == [REQUEUE_CODE] * 2, output
     assert f"stopped at epoch 2 step {STEPS_PER_EPOCH} on SIGUSR2" in output and "epoch 2/2 |" not in output, output
     assert "epoch 1/2 |" in output, output
     assert cluster_env.requeues() == [], output
+    fetched = [line.split()[:2] for line in fetch_log.read_text().splitlines()]
+    test_samples = [sum(1 for r, size in fetched if (r, size) == (rank, "800")) for rank in ("0", "1")]
+    assert test_samples == [800, 500], test_samples  # two epochs' 400; rank 1 stopped after its first batch of 100
 
     code, output = train_in_process("05_ddp_slurm", [*SYNTHETIC, "--batch-size", "64", "--epochs", "2",
                                                      "--checkpoint", str(checkpoint)], capsys)

@@ -11,8 +11,8 @@ from conftest import REPO, STEPS
 # The order every train.py follows (a step may lack some), and, for each top-level definition, the runs
 # of consecutive steps that must hold it byte for byte. A new step-specific change belongs in this table.
 ORDER = ["parse_args", "download_mnist", "load_datasets", "Net", "ResumableSampler", "STOP_SIGNALS", "STOP",
-         "STOP_CHECK_SECONDS", "STOP_LEAD_SECONDS", "STOPPED", "catch_stop_signals", "signalled", "stop_requested", "train_one_epoch",
-         "evaluate", "save_checkpoint", "load_checkpoint", "setup", "train", "report_stop", "run", "PORT_PROBE", "main"]
+         "STOP_CHECK_SECONDS", "STOPPED", "catch_stop_signals", "signalled", "stop_requested", "train_one_epoch",
+         "evaluate", "save_checkpoint", "load_checkpoint", "setup", "train", "run", "main"]
 SHARED = {
     "download_mnist": ["01 02 03 04 05 06"],
     "load_datasets": ["01 02 03 04 05 06"],
