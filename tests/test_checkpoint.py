@@ -100,10 +100,9 @@ if os.environ.get("TEST_MEMORY"):
 '''
 
 
-def test_a_resume_holds_at_most_one_copy_of_the_state(tmp_path):
-    """03 copied with a model whose state (weights and momentum) is 537 MB, resumed by two ranks: while a rank
-    loads, its resident memory grows by at most one copy of the state plus the optimizer's momentum (the model
-    is there before). Reading the whole file in every rank, or sending it pickled from rank 0, takes more."""
+def wide_03(tmp_path, sitecustomize):
+    """03 copied into tmp_path with WIDE_NET, its checkpoint with momentum at tmp_path/ckpt.pt, and sitecustomize
+    in tmp_path/site; returns the size of the checkpoint's state (weights and momentum) in MB."""
     from test_copy import copy_step  # noqa: E402 (a helper of the copy tests)
     folder = copy_step("03_ddp_mpspawn", tmp_path, code=WIDE_NET, names=("Net",))
     module = load_step_module("03_ddp_mpspawn", folder / "train.py")
@@ -113,10 +112,16 @@ def test_a_resume_holds_at_most_one_copy_of_the_state(tmp_path):
     for parameter in model.parameters():
         optimizer.state[parameter]["momentum_buffer"] = torch.randn_like(parameter)
     module.save_checkpoint(str(tmp_path / "ckpt.pt"), model, optimizer, epoch=1)
-    state_mb = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    del model, optimizer
     (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(MEMORY)
+    (tmp_path / "site" / "sitecustomize.py").write_text(sitecustomize)
+    return 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+
+
+def test_a_resume_holds_at_most_one_copy_of_the_state(tmp_path):
+    """03 copied with a model whose state (weights and momentum) is 537 MB, resumed by two ranks: while a rank
+    loads, its resident memory grows by at most one copy of the state plus the optimizer's momentum (the model
+    is there before). Reading the whole file in every rank, or sending it pickled from rank 0, takes more."""
+    state_mb = wide_03(tmp_path, MEMORY)
     result = run([sys.executable, "03_ddp_mpspawn/train.py", "--world-size", "2", "--dataset", "synthetic", "--epochs",
                   "1", "--checkpoint", str(tmp_path / "ckpt.pt")], timeout=180, cwd=tmp_path,
                  env=child_env(PYTHONPATH=str(tmp_path / "site"), TEST_MEMORY="1"))

@@ -232,20 +232,8 @@ def test_a_resume_on_the_gpu_holds_at_most_one_copy_of_the_state(tmp_path):
     """test_checkpoint.py's resume of a 537 MB state (weights and momentum), on the GPU: 03 copied with a wide model,
     one rank. The host's resident memory grows by at most one copy of the state and the GPU's by the momentum alone
     (the weights are there before): no second copy of the state on either."""
-    from test_checkpoint import WIDE_NET
-    from test_copy import copy_step
-    folder = copy_step("03_ddp_mpspawn", tmp_path, code=WIDE_NET, names=("Net",))
-    module = __import__("conftest").load_step_module("03_ddp_mpspawn", folder / "train.py")
-    torch.manual_seed(0)
-    model = module.Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    for parameter in model.parameters():
-        optimizer.state[parameter]["momentum_buffer"] = torch.randn_like(parameter)
-    module.save_checkpoint(str(tmp_path / "ckpt.pt"), model, optimizer, epoch=1)
-    state_mb = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    del model, optimizer
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(GPU_MEMORY)
+    from test_checkpoint import wide_03
+    state_mb = wide_03(tmp_path, GPU_MEMORY)
     result = run([sys.executable, "03_ddp_mpspawn/train.py", "--world-size", "1", "--dataset", "synthetic",
                   "--epochs", "1", "--checkpoint", str(tmp_path / "ckpt.pt")], timeout=300, cwd=tmp_path,
                  env=child_env(PYTHONPATH=str(tmp_path / "site"), TEST_MEMORY="1"))
