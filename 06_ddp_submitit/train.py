@@ -4,7 +4,7 @@ Run:  python 06_ddp_submitit/train.py --nodes 2 --gpus-per-node 4 --cpus-per-tas
       python 06_ddp_submitit/train.py --local --dataset synthetic   (no cluster needed)
 
 Changed since 05: no batch script of ours: this file submits itself through submitit, which writes one
-(with 05's requeue and port search, done in bash), prints the job's log folder and waits for the job, through its
+(with 05's requeue and order of ports, probed in bash), prints the job's log folder and waits for the job, through its
 requeues. submitit runs run() in every task, where TorchDistributedEnvironment sets the rendezvous.
 """
 import argparse
@@ -369,8 +369,8 @@ def main():
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min, slurm_partition=args.partition,
-                               # submitit: as 05's submit.sh, which says why; on the first node, the threads and a
-                               # port that no process there listens on (found by bash: the host may lack Python).
+                               # submitit: as 05's submit.sh, which says why; the threads (srun passes them on) and,
+                               # on the first node, a port that no process there listens on (bash: no Python needed).
                                slurm_signal_delay_s=120, slurm_additional_parameters={"requeue": True},
                                slurm_srun_args=["--kill-on-bad-exit=0", "--wait=30",
                                                 f"--cpus-per-task={args.cpus_per_task}"],

@@ -330,8 +330,8 @@ def copy(src, dst):
 
 
 def test_06_local_preemption_requeues_and_resumes(cluster_env, ladder, tmp_path):
-    """06 --local with a data-loader worker per loader, started by forkserver: SIGTERM to every process of both
-    tasks in epoch 2 stops them at one step inside the epoch, rank 0 saves, the tasks exit with the code that
+    """06 --local with a data-loader worker per loader, started by forkserver: SIGUSR2 to every process of rank 0's
+    task and SIGTERM to rank 1's in epoch 2 stop both at one step inside the epoch, on SIGTERM, rank 0 saves, the tasks exit with the code that
     has submitit's local controller start them again, and they resume there and end like the ladder's
     uninterrupted run."""
     checkpoint, logs = tmp_path / "ckpt.pt", tmp_path / "logs"
@@ -343,7 +343,8 @@ def test_06_local_preemption_requeues_and_resumes(cluster_env, ladder, tmp_path)
         cwd=REPO, env=cluster_env(TEST_START_METHOD="forkserver", **hold), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for(lambda: len(held()) == 2 or proc.poll() is not None, 120, "both ranks held", lambda: submitit_logs(logs))
-    signal_every_process([pid for _, pid in held()], signal.SIGTERM)
+    for rank, pid in held():  # rank 0's line must name rank 1's signal: the ranks agree on the highest
+        signal_every_process([pid], (signal.SIGUSR2, signal.SIGTERM)[rank])
     try:
         out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -352,7 +353,7 @@ def test_06_local_preemption_requeues_and_resumes(cluster_env, ladder, tmp_path)
     log = submitit_logs(logs)
     assert proc.returncode == 0, out + log
     stopped = STOPPED.search(log)
-    assert stopped and stopped.group(2) == str(HOLD), log
+    assert stopped and stopped.group(2) == str(HOLD) and stopped.group(3) == "SIGTERM", log
     assert stopped.group(1) == "2" and f"exit code {REQUEUE_CODE} to be requeued" in log, log
     assert f"after epoch 1 step {stopped.group(2)}" in log, log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log

@@ -453,8 +453,9 @@ def test_submitit_on_slurm(submitit_runs, reference, layout):
     run = submitit_runs[layout]
     print(f"06 through submitit's Slurm executor on {layout}: {run['seconds']:.1f} s")
     assert run["code"] == 0, run["out"] + run["log"]
-    assert re.search(r"^submitted job \d+; logs in \S+", run["out"], re.M), run["out"]
-    check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
+    job_id = int(re.search(r"^submitted job (\d+); logs in \S+", run["out"], re.M).group(1))
+    launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
+    assert int(launches[0][8]) == 20000 + job_id % 12000  # the batch script's port search, not submitit's own
     assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
     assert "sacct error" not in run["err"], run["err"]  # submitit's state polling worked: no guessing
 
