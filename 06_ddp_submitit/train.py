@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description="Train a small CNN on MNIST.")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # the step, and defaults in --help
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
     parser.add_argument("--test-batch-size", type=int, default=1000, help="samples per evaluation step in each process")
