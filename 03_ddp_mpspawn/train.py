@@ -23,8 +23,10 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # the step, and defaults in --help
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    class Defaults(argparse.ArgumentDefaultsHelpFormatter):  # --help shows the defaults, but no "None"
+        def _get_help_string(self, action):
+            return action.help if action.default is None else super()._get_help_string(action)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Defaults)  # names the step
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
     parser.add_argument("--test-batch-size", type=int, default=1000, help="samples per evaluation step in each process")
@@ -41,7 +43,7 @@ def parse_args():
     parser.add_argument("--collective-timeout", type=float, default=600,
                         help="seconds a collective waits for a rank that stopped answering, then ends the run")
     parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() or 2,
-                        help="processes to start (default: one per GPU, or 2 on a CPU)")
+                        help="processes to start: one per GPU, or 2 on a CPU")
     args = parser.parse_args()
     if args.world_size < 1 or (torch.cuda.is_available() and args.world_size > torch.cuda.device_count()):
         parser.error("--world-size must be at least 1, and with GPUs at most the number of GPUs")
