@@ -88,6 +88,18 @@ def test_no_hard_coded_cuda(step):
             assert "is_available()" in line or "local_rank" in line, line
 
 
+def test_the_top_level_holds_the_design_only():
+    """The top level of what git holds or would add (not what .gitignore ignores, such as checkpoints and
+    data): the six steps, requirements.txt, README.md, tests/, pytest.ini and dot-files, nothing else."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True)
+    names = ({path.split("/")[0] for path in listed.stdout.splitlines()} if listed.returncode == 0
+             else {path.name for path in REPO.iterdir()})  # not a git checkout: every file is the user's copy
+    stray = {name for name in names if not name.startswith(".")} - {*STEPS, "requirements.txt", "README.md",
+                                                                     "tests", "pytest.ini"}
+    assert not stray, f"files at the top level that the design has no place for: {sorted(stray)}"
+
+
 def test_the_readme_gives_the_real_diff_sizes():
     """The README's table of changed lines between neighbours, as `diff A B | grep -c '^[<>]'` counts them."""
     counts = []
