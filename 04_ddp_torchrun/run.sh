@@ -18,8 +18,7 @@ else
               --rdzv-endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the first node}")
 fi
 # After a restart, workers that share torchrun's own rendezvous store can read the previous round's
-# addresses and fail or hang (pytorch/pytorch#135712). With torch 2.15.0 and Gloo, this repository's restart
-# test (tests/test_failures.py) failed so in 2 of 5 runs with the shared store, and passed 20 of 20 without.
+# addresses and fail or hang (pytorch/pytorch#135712; README.md says how often our restart test did).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 # python -m torch.distributed.run is torchrun, run by the chosen interpreter.
 exec "$python" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node="$nproc" \

@@ -67,8 +67,7 @@ for port in (20000 + (job + i) % 12000 for i in range(12000)):
     break
 ')}
 # After a restart, workers that share torchrun's own rendezvous store can read the previous round's
-# addresses and fail or hang (pytorch/pytorch#135712). With torch 2.15.0 and Gloo, this repository's restart
-# test (tests/test_failures.py) failed so in 2 of 5 runs with the shared store, and passed 20 of 20 without.
+# addresses and fail or hang (pytorch/pytorch#135712; README.md says how often our restart test did).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $NPROC_PER_NODE processes" \
