@@ -390,7 +390,7 @@ def main():
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min, slurm_partition=args.partition,
-                               slurm_account=args.account, slurm_wckey=args.wckey,  # submitit's default: "submitit"
+                               slurm_account=args.account,
                                # submitit: as 05's submit.sh, which says why; the threads (srun passes them on) and,
                                # on the first node, a port that no process there listens on (bash: no Python needed).
                                slurm_signal_delay_s=120, slurm_additional_parameters={"requeue": True},
@@ -402,6 +402,8 @@ def main():
                                             "|| { echo $port; break; }; done)"],
                                slurm_teardown=[f'status=$?; if [ $status = {STOPPED} ]; then scontrol requeue '
                                                '"$SLURM_JOB_ID"; fi; exit $status'])
+    if executor.cluster == "slurm":  # submitit: None drops its --wckey=submitit, which sites that enforce wckeys reject
+        executor._executor.update_parameters(wckey=args.wckey)  # (AutoExecutor's own would ignore a None)
     # submitit: the job imports this file as a module, found through the PYTHONPATH it inherits (not __main__, pickled
     # by value), so that workers started by spawn or forkserver find its classes by name when given the dataset.
     here, name = os.path.split(os.path.splitext(os.path.abspath(__file__))[0])
