@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SYNTHETIC, child_env, read_line
-from test_slurm import job_state, read
+from conftest import REPO, SYNTHETIC, child_env, read_line, wait_for
+from test_slurm import accounted_runs, job_state, read
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
@@ -132,3 +132,31 @@ def test_05_refuses_tasks_that_do_not_match_the_gpus(tmp_path, gpus_per_node):
     for rank, node in enumerate(["n1", "n1", "n2", "n2"]):
         assert (f"error: task {rank} on {node}: 2 tasks and {gpus_per_node} GPUs on it, and CUDA sees {gpus_per_node} "
                 f"(CUDA_VISIBLE_DEVICES={visible}): run one task per GPU") in log, log
+
+
+@pytest.mark.parametrize("flags", [[], ["--batch"], ["--full"]])
+def test_scancel_signal_usr2_reaches_the_tasks_and_with_batch_or_full_kills_the_batch_shell(tmp_path, flags):
+    """What 05's page tells users to try: `scancel --signal=USR2 JOBID` signals the tasks only (the stop that 05
+    turns into a save and a requeue); with -b or --full it also signals the batch shell, which dies of it (the
+    job FAILED on signal 12: no requeue). A site template's `--signal=B:USR2@...` is the same as -b."""
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nsrun bash -c 'trap \"echo task: SIGUSR2; exit 0\" USR2; echo task: started; "
+                      "sleep 60 & wait'\necho \"batch shell: srun returned $?\"\n")
+    done = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--cpus-per-task=1", "--time=2",
+                           f"--output={tmp_path}/%j.out", str(script)], capture_output=True, text=True, timeout=30)
+    job_id = int(done.stdout.strip())
+    log = tmp_path / f"{job_id}.out"
+    wait_for(lambda: "task: started" in read(log), 60, "the task to start", lambda: job_state(job_id))
+    subprocess.run(["scancel", "--signal=USR2", *flags, str(job_id)], check=True, timeout=30)
+    states = accounted_runs(job_id)
+    if not flags:
+        assert states == ["COMPLETED"] and "task: SIGUSR2\nbatch shell: srun returned 0" in read(log), read(log)
+    else:
+        assert states == ["FAILED"] and "batch shell" not in read(log), read(log)
+        assert sacct_exit(job_id) == "0:12"  # the batch shell died of SIGUSR2
+
+
+def sacct_exit(job_id):
+    done = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "ExitCode", "-j", str(job_id)], capture_output=True,
+                          text=True, timeout=30)
+    return done.stdout.strip()
