@@ -230,8 +230,7 @@ def check_launch(checkpoint, rank, local_rank):
         sys.exit(f"{where}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} (CUDA_VISIBLE_DEVICES="
                  f"{os.environ.get('CUDA_VISIBLE_DEVICES')}): run one task per GPU (--ntasks-per-node as "
                  "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
-    folder = os.path.dirname(os.path.abspath(checkpoint or "."))
-    if not os.path.isdir(folder) and "SLURM_JOB_ID" in os.environ:  # made here, it could be a container's own
+    if "SLURM_JOB_ID" in os.environ and not os.path.isdir(folder := os.path.dirname(os.path.abspath(checkpoint or ""))):
         sys.exit(f"{where}: no checkpoint folder {folder}: make it before the job (and mount it there in a container)")
     if rank == 0 and int(os.environ.get("SLURM_RESTART_COUNT", 0)) and not os.path.exists(checkpoint or ""):
         print(f"requeued, but no checkpoint at {checkpoint}: starting over", flush=True)

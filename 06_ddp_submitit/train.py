@@ -11,7 +11,6 @@ import argparse
 import importlib
 import multiprocessing.resource_tracker
 import os
-import shlex
 import signal
 import socket
 import sys
@@ -261,8 +260,7 @@ def check_launch(checkpoint, rank, local_rank):
         sys.exit(f"{where}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} (CUDA_VISIBLE_DEVICES="
                  f"{os.environ.get('CUDA_VISIBLE_DEVICES')}): run one task per GPU (--ntasks-per-node as "
                  "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
-    folder = os.path.dirname(os.path.abspath(checkpoint or "."))
-    if not os.path.isdir(folder) and "SLURM_JOB_ID" in os.environ:  # made here, it could be a container's own
+    if "SLURM_JOB_ID" in os.environ and not os.path.isdir(folder := os.path.dirname(os.path.abspath(checkpoint or ""))):
         sys.exit(f"{where}: no checkpoint folder {folder}: make it before the job (and mount it there in a container)")
     if rank == 0 and int(os.environ.get("SLURM_RESTART_COUNT", 0)) and not os.path.exists(checkpoint or ""):
         print(f"requeued, but no checkpoint at {checkpoint}: starting over", flush=True)
@@ -389,12 +387,11 @@ def main():
     executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None, slurm_python=args.python)
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
-                               timeout_min=args.timeout_min, slurm_partition=args.partition,
-                               slurm_account=args.account,
+                               timeout_min=args.timeout_min, slurm_partition=args.partition, slurm_account=args.account,
                                # submitit: as 05's submit.sh, which says why; the threads (srun passes them on) and,
                                # on the first node, a port that no process there listens on (bash: no Python needed).
                                slurm_signal_delay_s=120, slurm_additional_parameters={"requeue": True},
-                               slurm_srun_args=[*shlex.split(args.srun_args), "--kill-on-bad-exit=0", "--wait=30",
+                               slurm_srun_args=[*args.srun_args.split(), "--kill-on-bad-exit=0", "--wait=30",
                                                 f"--cpus-per-task={args.cpus_per_task}"],
                                slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",
                                             "export MASTER_PORT=$(for ((i = 0; i < 12000; i++)); do port=$((20000 + "
