@@ -49,23 +49,22 @@ export OMP_NUM_THREADS=$((CORES > WORKERS ? CORES - WORKERS : 1))
 
 # c10d rendezvous: the torchrun on the job's first node hosts it, the others connect, and it gives out
 # the node ranks, so every node runs the same command line and nothing is expanded per node.
-RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-# Its port: the first from 20000 + job id mod 12000 that no process holds now on that node, where sbatch runs
-# this script (why so, and its one race: 04_ddp_torchrun/README.md, Under Slurm). Export RDZV_PORT to choose.
-RDZV_PORT=${RDZV_PORT:-$("$PYTHON" -c '
-import os, socket
-job = int(os.environ["SLURM_JOB_ID"])
-for port in (20000 + (job + i) % 12000 for i in range(12000)):
-    with socket.socket() as probe:
-        # As the store does: a port that an earlier job left in TIME_WAIT (a requeue) is free.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError:  # held by another process (a store listens on every address, IPv4 and IPv6)
-            continue
-    print(port)
-    break
-')}
+# sed, not head, reads all the names: under pipefail, head's early exit could kill scontrol with SIGPIPE.
+RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+# Its port: the first from 20000 + job id mod 12000 that no process listens on now on that node, where sbatch
+# runs this script (why so, and its one race: 04_ddp_torchrun/README.md, Under Slurm), probed in bash, as the
+# host may have no Python (it may live in the container only). Export RDZV_PORT to choose.
+RDZV_PORT=${RDZV_PORT:-$(for ((i = 0; i < 12000; i++)); do port=$((20000 + (SLURM_JOB_ID + i) % 12000))
+  (: </dev/tcp/127.0.0.1/$port) 2>/dev/null || { echo $port; break; }; done)}
+# One process per GPU that CUDA finds on every node, checked there in seconds before torchrun starts: a node
+# whose driver is down would train on the CPU, NPROC_PER_NODE other than its GPUs leave some idle or shared.
+# (In a container, add its flags to this srun line too.)
+if ((${SLURM_GPUS_ON_NODE:-0} > 0)); then
+  srun --ntasks-per-node=1 "$PYTHON" -c "import socket, sys, torch
+found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+sys.exit(found != $NPROC_PER_NODE and f'error: {socket.gethostname()}: CUDA finds {found} of its'
+         ' $SLURM_GPUS_ON_NODE GPUs for $NPROC_PER_NODE processes: one process per working GPU (nvidia-smi)')"
+fi
 # After a restart, workers that share torchrun's own rendezvous store can read the previous round's
 # addresses and fail or hang (pytorch/pytorch#135712; README.md says how often our restart test did).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}

@@ -12,7 +12,8 @@
 #SBATCH --cpus-per-task=8           # cores per process: its threads and its data-loader workers
 ##SBATCH --mem-per-gpu=32G          # memory per GPU, so per task: delete one '#' where the default per core is too small
 #SBATCH --time=01:00:00             # wall-clock limit
-#SBATCH --signal=USR2@120           # SIGUSR2 to every task 120 s before the limit: save, and requeue (below)
+#SBATCH --signal=USR2@120           # SIGUSR2 to every task 120 s before the limit: save, and requeue (below).
+#                                   # Not B:USR2 (a site template's): that signals only this script, which dies of it
 #SBATCH --requeue                   # the job may go back to the queue (after a stop, when preempted, a node fails)
 #SBATCH --open-mode=append          # a requeued job appends to its log instead of overwriting it
 #SBATCH --output=%x-%j.out          # one log per job (stdout and stderr): job name and job id
@@ -25,21 +26,12 @@ TRAIN_PY=${TRAIN_PY:-05_ddp_slurm/train.py}  # relative to the folder sbatch was
 # Rendezvous on the job's first node, where sbatch runs this script, at the first port from 20000 + job id
 # mod 12000 that no process holds here now (04's search: 04_ddp_torchrun/README.md, Under Slurm). Export
 # MASTER_PORT to choose one.
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=${MASTER_PORT:-$("$PYTHON" -c '
-import os, socket
-job = int(os.environ["SLURM_JOB_ID"])
-for port in (20000 + (job + i) % 12000 for i in range(12000)):
-    with socket.socket() as probe:
-        # As the store does: a port that an earlier job left in TIME_WAIT (a requeue) is free.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError:  # held by another process (a store listens on every address, IPv4 and IPv6)
-            continue
-    print(port)
-    break
-')}
+# In bash, not Python: the host may have none (Python only in the container). A port that no process listens
+# on is free, one that an earlier job left in TIME_WAIT (a requeue) too. sed, not head, reads all the node
+# names: under pipefail, head's early exit could kill scontrol with SIGPIPE on a long list, and this script.
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+MASTER_PORT=${MASTER_PORT:-$(for ((i = 0; i < 12000; i++)); do port=$((20000 + (SLURM_JOB_ID + i) % 12000))
+  (: </dev/tcp/127.0.0.1/$port) 2>/dev/null || { echo $port; break; }; done)}
 export MASTER_ADDR MASTER_PORT
 # The task's cores, split so that nothing runs on top of anything else: data-loader workers (one core each)
 # and the main process's threads. Half are workers (8 cores: 4 workers, 4 threads; 1: none), or as many as
@@ -53,6 +45,12 @@ for arg in "$@"; do
   previous=$arg
 done
 export OMP_NUM_THREADS=$((CPUS > WORKERS ? CPUS - WORKERS : 1))
+# Checkpoints by absolute path, in a folder made here on the host: tasks in a container whose working folder is
+# another, or where this folder is not mounted, would write into the image's throwaway files (train.py refuses a
+# missing folder). Export CHECKPOINT_DIR to choose another; data: copy it to node-local disk here if you need to,
+# e.g. srun --ntasks-per-node=1 cp -r data "$TMPDIR/" (then --data-dir "$TMPDIR/data").
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-$SLURM_SUBMIT_DIR/checkpoints}
+mkdir -p "$CHECKPOINT_DIR"
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks," \
   "master $MASTER_ADDR:$MASTER_PORT"
@@ -60,19 +58,21 @@ echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODE
 # 30 s after the first one ends, instead of leaving them in a collective; --kill-on-bad-exit=0 keeps a site's
 # KillOnBadExit=1 from killing them at the first 144 before they leave (05_ddp_slurm/README.md says more).
 # The checkpoint path is fixed per job, so a requeued job (same id) resumes; pass --checkpoint to choose it.
+# A container: its flags (pyxis: --container-image=..., --container-mounts=...) on this srun line alone, with
+# PYTHON set to its python; mount the submit folder at the same path.
 # Start python itself (or exec it), not under a wrapper (bash -c, time, numactl) that dies of the signal.
 # Every task sees all of its node's GPUs here. A site that binds GPUs per task fences them off from each
 # other, and NCCL cannot use NVLink between tasks: on Slurm 23.11.4 or later add
 # --gres-flags=allow-task-sharing to this srun line (untested here; 05_ddp_slurm/README.md, GPU binding).
 status=0
 srun --kill-on-bad-exit=0 --wait=30 --cpus-per-task="$CPUS" "$PYTHON" -u "$TRAIN_PY" --workers "$WORKERS" \
-  --checkpoint "checkpoints/$SLURM_JOB_NAME-$SLURM_JOB_ID.pt" "$@" || status=$?
+  --checkpoint "$CHECKPOINT_DIR/$SLURM_JOB_NAME-$SLURM_JOB_ID.pt" "$@" || status=$?
 # The tasks stopped on a signal and rank 0 saved where (144): SIGUSR2 before the time limit, or SIGTERM from a
 # preemption, which Slurm sends to the tasks alone and which ends the job for good once it leaves by itself. So
 # this script, on the host, puts it back in the queue (train.py runs no Slurm command: in a container it may
 # have none), and it starts again under the same id and resumes. A scancel sends SIGTERM to this script too,
 # which ends it at once: a cancelled job stays cancelled, its tasks still save, and a new job resumes with
-# --checkpoint checkpoints/ddp-slurm-JOBID.pt.
+# --checkpoint checkpoints/ddp-slurm-JOBID.pt (under the submit folder).
 if ((status == 144)); then
   echo "job $SLURM_JOB_ID: its tasks stopped and saved: requeueing it"
   exec scontrol requeue "$SLURM_JOB_ID"

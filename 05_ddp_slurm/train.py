@@ -221,17 +221,28 @@ def load_checkpoint(path, model, optimizer, group):
     return position
 
 
+def check_launch(checkpoint, rank, local_rank):
+    """SLURM: a wrong launch ends here with one line, before any rank waits for another. Slurm's own counts decide
+    (no login profile sets them): no CPU run on GPU nodes, no GPU idle or shared by tasks, no silent start over."""
+    where, gpus = f"error: task {rank} on {socket.gethostname()}", int(os.environ.get("SLURM_GPUS_ON_NODE", 0))
+    tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "0").split(",")  # "4(x2),2": 4, 4, 2
+             for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
+    tasks, visible = tasks[int(os.environ.get("SLURM_NODEID", 0))], torch.cuda.device_count() if gpus else 0
+    if gpus and (not torch.cuda.is_available() or tasks != gpus or visible not in (1, gpus)):
+        sys.exit(f"{where}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} (CUDA_VISIBLE_DEVICES="
+                 f"{os.environ.get('CUDA_VISIBLE_DEVICES')}): run one task per GPU (--ntasks-per-node as "
+                 "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
+    if "SLURM_JOB_ID" in os.environ and not os.path.isdir(folder := os.path.dirname(os.path.abspath(checkpoint or ""))):
+        sys.exit(f"{where}: no checkpoint folder {folder}: make it before the job (and mount it there in a container)")
+    if rank == 0 and int(os.environ.get("SLURM_RESTART_COUNT", 0)) and not os.path.exists(checkpoint or ""):
+        print(f"requeued, but no checkpoint at {checkpoint}: starting over", flush=True)
+
+
 def setup(rank, local_rank, world_size, timeout, store=None):
     """DDP: pick this process's device and join the process group (at store, or MASTER_ADDR:MASTER_PORT)."""
     if torch.cuda.is_available():
-        # SLURM: a task sees its node's GPUs and takes its local rank's or, where the site binds one GPU to each task,
-        # only its own, as cuda:0 (then NCCL reaches the others only with srun --gres-flags=allow-task-sharing).
-        visible = torch.cuda.device_count()
-        if local_rank >= visible and visible != 1:
-            sys.exit(f"error: local rank {local_rank} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
-                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each task all of its node's GPUs "
-                     "or exactly one, and start one task per GPU")
-        device, backend = torch.device("cuda", local_rank if visible > 1 else 0), "nccl"
+        # SLURM: its local rank's GPU of the node's, or where the site binds one to each task, its own, as cuda:0.
+        device, backend = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -329,6 +340,7 @@ def main():
     if "SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ:
         sys.exit("error: start this script with srun inside a job of submit.sh: sbatch 05_ddp_slurm/submit.sh")
     rank, local_rank, world_size = (int(os.environ[name]) for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"))
+    check_launch(args.checkpoint, rank, local_rank)  # SLURM: before setup()
     device = setup(rank, local_rank, world_size, args.collective_timeout)
     code = train(args, rank, world_size, device)
     dist.destroy_process_group()  # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all

@@ -57,6 +57,10 @@ def parse_args():
     parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per process")
     parser.add_argument("--timeout-min", type=int, default=60, help="time limit of the job in minutes")
     parser.add_argument("--partition", help="Slurm partition (default: the cluster's default)")
+    parser.add_argument("--account", help="Slurm account to charge (sacctmgr show assoc user=$USER lists yours)")
+    parser.add_argument("--wckey", help="Slurm workload key, where the site asks for one (submitit's own: none)")
+    parser.add_argument("--python", help="the tasks' python, e.g. in a container: python3 (default: this one)")
+    parser.add_argument("--srun-args", default="", help="added to srun, e.g. a container's: '--container-image=IMG'")
     parser.add_argument("--log-dir", default="submitit_logs", help="every job gets a new log folder in here")
     args = parser.parse_args()
     if min(args.nodes, args.tasks_per_node or 1, args.cpus_per_task, args.timeout_min) < 1 or args.tasks_per_node == 0:
@@ -77,6 +81,8 @@ def parse_args():
         parser.error("--gpus-per-node is needed on Slurm: the GPUs of each compute node (0 for CPU nodes)")
     args.gpus_per_node = torch.cuda.device_count() if args.gpus_per_node is None else args.gpus_per_node
     args.tasks_per_node = args.tasks_per_node or args.gpus_per_node or 2
+    if args.gpus_per_node and args.tasks_per_node != args.gpus_per_node:  # submitit: GPUs idle, or shared by tasks
+        parser.error(f"--tasks-per-node {args.tasks_per_node} for --gpus-per-node {args.gpus_per_node}: one per GPU")
     return args
 
 
@@ -245,17 +251,28 @@ def load_checkpoint(path, model, optimizer, group):
     return position
 
 
+def check_launch(checkpoint, rank, local_rank):
+    """SLURM: a wrong launch ends here with one line, before any rank waits for another. Slurm's own counts decide
+    (no login profile sets them): no CPU run on GPU nodes, no GPU idle or shared by tasks, no silent start over."""
+    where, gpus = f"error: task {rank} on {socket.gethostname()}", int(os.environ.get("SLURM_GPUS_ON_NODE", 0))
+    tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "0").split(",")  # "4(x2),2": 4, 4, 2
+             for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
+    tasks, visible = tasks[int(os.environ.get("SLURM_NODEID", 0))], torch.cuda.device_count() if gpus else 0
+    if gpus and (not torch.cuda.is_available() or tasks != gpus or visible not in (1, gpus)):
+        sys.exit(f"{where}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} (CUDA_VISIBLE_DEVICES="
+                 f"{os.environ.get('CUDA_VISIBLE_DEVICES')}): run one task per GPU (--ntasks-per-node as "
+                 "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
+    if "SLURM_JOB_ID" in os.environ and not os.path.isdir(folder := os.path.dirname(os.path.abspath(checkpoint or ""))):
+        sys.exit(f"{where}: no checkpoint folder {folder}: make it before the job (and mount it there in a container)")
+    if rank == 0 and int(os.environ.get("SLURM_RESTART_COUNT", 0)) and not os.path.exists(checkpoint or ""):
+        print(f"requeued, but no checkpoint at {checkpoint}: starting over", flush=True)
+
+
 def setup(rank, local_rank, world_size, timeout, store=None):
     """DDP: pick this process's device and join the process group (at store, or MASTER_ADDR:MASTER_PORT)."""
     if torch.cuda.is_available():
-        # SLURM: a task sees its node's GPUs and takes its local rank's or, where the site binds one GPU to each task,
-        # only its own, as cuda:0 (then NCCL reaches the others only with srun --gres-flags=allow-task-sharing).
-        visible = torch.cuda.device_count()
-        if local_rank >= visible and visible != 1:
-            sys.exit(f"error: local rank {local_rank} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
-                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each task all of its node's GPUs "
-                     "or exactly one, and start one task per GPU")
-        device, backend = torch.device("cuda", local_rank if visible > 1 else 0), "nccl"
+        # SLURM: its local rank's GPU of the node's, or where the site binds one to each task, its own, as cuda:0.
+        device, backend = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -354,6 +371,7 @@ def run(args):
     # submitit: the rendezvous variables, with the MASTER_PORT that the batch script found free (see main()).
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
+    check_launch(args.checkpoint, rank, local_rank)  # SLURM: before setup()
     device = setup(rank, local_rank, world_size, args.collective_timeout)
     code = train(args, rank, world_size, device)
     dist.destroy_process_group()  # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all
@@ -368,14 +386,14 @@ def main():
         os.environ.pop(name, None)
     # submitit: Slurm when there is one (or --local: processes here); a new log folder for every launch.
     folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))
-    executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None)
+    executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None, slurm_python=args.python)
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
-                               timeout_min=args.timeout_min, slurm_partition=args.partition,
+                               timeout_min=args.timeout_min, slurm_partition=args.partition, slurm_account=args.account,
                                # submitit: as 05's submit.sh, which says why; the threads (srun passes them on) and,
                                # on the first node, a port that no process there listens on (bash: no Python needed).
                                slurm_signal_delay_s=120, slurm_additional_parameters={"requeue": True},
-                               slurm_srun_args=["--kill-on-bad-exit=0", "--wait=30",
+                               slurm_srun_args=[*args.srun_args.split(), "--kill-on-bad-exit=0", "--wait=30",
                                                 f"--cpus-per-task={args.cpus_per_task}"],
                                slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",
                                             "export MASTER_PORT=$(for ((i = 0; i < 12000; i++)); do port=$((20000 + "
@@ -383,6 +401,8 @@ def main():
                                             "|| { echo $port; break; }; done)"],
                                slurm_teardown=[f'status=$?; if [ $status = {STOPPED} ]; then scontrol requeue '
                                                '"$SLURM_JOB_ID"; fi; exit $status'])
+    if executor.cluster == "slurm":  # submitit: None drops its --wckey=submitit, which sites that enforce wckeys reject
+        executor._executor.update_parameters(wckey=args.wckey)  # (AutoExecutor's own would ignore a None)
     # submitit: the job imports this file as a module, found through the PYTHONPATH it inherits (not __main__, pickled
     # by value), so that workers started by spawn or forkserver find its classes by name when given the dataset.
     here, name = os.path.split(os.path.splitext(os.path.abspath(__file__))[0])

@@ -27,6 +27,7 @@ DBD_PORT=16819  # slurmdbd, beside slurmctld's 16817 (the defaults 6817-6819 sta
 DB_PORT=16820   # MariaDB, on 127.0.0.1 only (not the default 3306, which a system MariaDB may hold)
 MARK="# ddp-ladder test cluster"
 CONF=/etc/slurm/slurm.conf
+GPUS_PER_NODE=4  # Slurm gres of each node, stood in for by device files (write_gres)
 
 log() { echo "slurm_cluster: $*" >&2; }
 # Exits with the message; during a start, first undoes what the start did (as its ERR trap does).
@@ -109,10 +110,12 @@ AccountingStoragePass=$STATE/munge/munge.socket
 # the site measured in issue 14: a stop, its save and a slow rank's exit fit in it on a loaded machine (10 did not).
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
+GresTypes=gpu
 EOF
   for node in "${NODES[@]}"; do
     i=$((i + 1))
-    echo "NodeName=$node NodeAddr=$SUBNET.$((10 + i)) Port=$((17000 + i)) CPUs=$CPUS_PER_NODE State=UNKNOWN" \
+    echo "NodeName=$node NodeAddr=$SUBNET.$((10 + i)) Port=$((17000 + i)) CPUs=$CPUS_PER_NODE Gres=gpu:$GPUS_PER_NODE" \
+      "State=UNKNOWN" \
       >>"$STATE/slurm.conf"
   done
   local nodes
@@ -120,6 +123,20 @@ EOF
   echo "PartitionName=low Nodes=$nodes Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 State=UP" \
     >>"$STATE/slurm.conf"
   echo "PartitionName=high Nodes=$nodes PriorityTier=2 PreemptMode=OFF State=UP" >>"$STATE/slurm.conf"
+}
+
+# GPUs as Slurm gres, as on a GPU cluster, without one: character devices (those of /dev/null) stand in for
+# /dev/nvidiaN, so that Slurm counts them and sets SLURM_GPUS_ON_NODE and CUDA_VISIBLE_DEVICES for each task by
+# its layout (no cgroups here: each task sees the node's own indices). slurmd reads gres.conf beside slurm.conf.
+write_gres() {
+  local i
+  mkdir -p "$STATE/gpus"
+  for ((i = 0; i < GPUS_PER_NODE; i++)); do mknod "$STATE/gpus/gpu$i" c 1 3; done
+  if [[ -e ${CONF%/*}/gres.conf ]] && ! grep -q "$MARK" "${CONF%/*}/gres.conf"; then
+    cp -p "${CONF%/*}/gres.conf" "$STATE/gres.conf.orig"
+  fi
+  printf '%s\n' "$MARK: written by tests/slurm_cluster.sh; stop restores the previous file" \
+    "Name=gpu File=$STATE/gpus/gpu[0-$((GPUS_PER_NODE - 1))]" >"${CONF%/*}/gres.conf"
 }
 
 # slurmdbd reads slurmdbd.conf from the folder of $SLURM_CONF, so it stays in $STATE and /etc/slurm gets no
@@ -239,6 +256,7 @@ start() {
   if [[ -e $CONF ]] && ! grep -q "$MARK" "$CONF"; then cp -p "$CONF" "$STATE/slurm.conf.orig"; fi
   mkdir -p "$(dirname "$CONF")"
   cp "$STATE/slurm.conf" "$CONF"
+  write_gres
   setup_network
   for _ in $(seq 50); do [[ -S $STATE/munge/munge.socket ]] && break; sleep 0.1; done
   [[ -S $STATE/munge/munge.socket ]] || die "munged did not start: $(cat "$STATE/log/munged.out")"
@@ -321,6 +339,11 @@ stop() {
     cp -p "$STATE/slurm.conf.orig" "$CONF"
   elif [[ -f $CONF ]] && grep -q "$MARK" "$CONF"; then
     rm -f "$CONF"
+  fi
+  if [[ -f $STATE/gres.conf.orig ]]; then
+    cp -p "$STATE/gres.conf.orig" "${CONF%/*}/gres.conf"
+  elif [[ -f ${CONF%/*}/gres.conf ]] && grep -q "$MARK" "${CONF%/*}/gres.conf"; then
+    rm -f "${CONF%/*}/gres.conf"
   fi
   if [[ ${KEEP_LOGS:-0} == 1 ]]; then rm -rf "$STATE/pids"; else rm -rf "$STATE"; fi
   log "stopped"

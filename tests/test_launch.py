@@ -1,10 +1,14 @@
 """How each process finds its GPU and its rendezvous. setup() of 03-06 under the layouts that real sites give
 a task (all of its node's GPUs, or one bound to it), with CUDA and the process group replaced by recorders,
 and 03's rendezvous port, which no other program can take."""
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from conftest import STALE_RENDEZVOUS, load_step_module
+from conftest import REPO, STALE_RENDEZVOUS, child_env, load_step_module
 
 
 @pytest.mark.parametrize("step, visible, local_rank, expected", [
@@ -12,8 +16,7 @@ from conftest import STALE_RENDEZVOUS, load_step_module
     ("05_ddp_slurm", 4, 2, "cuda:2"),  # --gpus-per-node: every task sees the node's 4 GPUs, takes its local rank's
     ("05_ddp_slurm", 1, 3, "cuda:0"),  # --gpus-per-task=1, --gpu-bind or a container: the task sees its GPU alone
     ("05_ddp_slurm", 1, 0, "cuda:0"),
-    ("05_ddp_slurm", 2, 3, None),      # 2 GPUs visible to local rank 3: no GPU of its own; one clear line
-])  # setup() is the same in 03 and 04, and in 05 and 06
+])  # setup() is the same in 03 and 04, and in 05 and 06; check_launch() below refuses any other layout
 def test_each_process_finds_its_gpu(monkeypatch, capsys, step, visible, local_rank, expected):
     module = load_step_module(step)
     calls = {}
@@ -24,13 +27,6 @@ def test_each_process_finds_its_gpu(monkeypatch, capsys, step, visible, local_ra
     monkeypatch.setenv("MASTER_ADDR", "n1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(visible))))
-    if expected is None:
-        with pytest.raises(SystemExit) as stopped:
-            module.setup(5, local_rank, 8, 600)
-        assert str(stopped.value) == ("error: local rank 3 sees 2 GPUs (CUDA_VISIBLE_DEVICES=0,1): give each task "
-                                      "all of its node's GPUs or exactly one, and start one task per GPU")
-        assert not calls
-        return
     device = module.setup(5, local_rank, 8, 600)
     assert str(device) == calls["set_device"] == expected
     assert (calls["backend"], calls["rank"], calls["world_size"]) == ("nccl", 5, 8)
@@ -57,3 +53,87 @@ def test_06_submits_from_a_shell_that_has_rendezvous_variables(ladder):
     assert sorted((launch[0], launch[1], launch[2]) for launch in launches) == [("0", "2", "0"), ("1", "2", "1")]
     assert all(launch[7] != STALE_RENDEZVOUS["MASTER_ADDR"] and launch[8] != "1" for launch in launches), first
     assert len(first.epochs()) == 1, first
+
+
+# What Slurm sets in a task (SLURM_GPUS_ON_NODE, SLURM_STEP_TASKS_PER_NODE, SLURM_NODEID; the test cluster shows
+# them: test_slurm_gpus.py) and what CUDA sees, for task 5 (local rank 1) on the third node.
+@pytest.mark.parametrize("gpus, tasks_per_node, visible, refused", [
+    (4, "4(x3)", 4, False),       # --gpus-per-node=4 --ntasks-per-node=4: every task sees the node's 4
+    (4, "2,2,4(x2)", 1, False),   # --gpus-per-task=1 or --gpu-bind: each sees its own; this node has 4 tasks
+    (0, "2(x3)", 0, False),       # a CPU job
+    (4, "4,4,2", 4, True),        # 2 tasks for 4 GPUs: 2 idle
+    (1, "2(x3)", 1, True),        # 2 tasks on 1 GPU: NCCL's "Duplicate GPU"
+    (4, "4(x3)", 2, True),        # 2 of the 4 visible (a site's binding): local rank 3 would have none
+    (4, "4(x3)", 0, True),        # CUDA finds none (driver down, CUDA_VISIBLE_DEVICES emptied): not the CPU
+])
+@pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
+def test_a_wrong_gpu_launch_is_refused_in_one_line(monkeypatch, tmp_path, step, gpus, tasks_per_node, visible, refused):
+    module = load_step_module(step)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    for name, value in dict(SLURM_GPUS_ON_NODE=gpus, SLURM_STEP_TASKS_PER_NODE=tasks_per_node, SLURM_NODEID=2,
+                            SLURM_JOB_ID=42, CUDA_VISIBLE_DEVICES="0,1,2,3"[:2 * visible - 1]).items():
+        monkeypatch.setenv(name, str(value))
+    if not refused:
+        module.check_launch(str(tmp_path / "ckpt.pt"), 5, 1)
+        return
+    with pytest.raises(SystemExit) as stopped:
+        module.check_launch(str(tmp_path / "ckpt.pt"), 5, 1)
+    tasks = int(tasks_per_node.split(",")[-1].split("(")[0])
+    assert str(stopped.value) == (
+        f"error: task 5 on {socket.gethostname()}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} "
+        f"(CUDA_VISIBLE_DEVICES={'0,1,2,3'[:2 * visible - 1]}): run one task per GPU (--ntasks-per-node as "
+        "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
+
+
+@pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
+def test_a_missing_checkpoint_folder_and_a_requeue_that_starts_over(monkeypatch, capsys, tmp_path, step):
+    """Under Slurm the checkpoint folder is not made in the task (in a container without its mount, it would be
+    made in the image's throwaway files, and every requeue would start over): one line. A requeued run that finds
+    no checkpoint says so on rank 0."""
+    module = load_step_module(step)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with pytest.raises(SystemExit) as stopped:
+        module.check_launch(str(tmp_path / "missing" / "ckpt.pt"), 3, 1)
+    assert str(stopped.value) == (f"error: task 3 on {socket.gethostname()}: no checkpoint folder {tmp_path}/missing: "
+                                  "make it before the job (and mount it there in a container)")
+    module.check_launch(str(tmp_path / "ckpt.pt"), 1, 1)
+    assert capsys.readouterr().out == ""  # rank 1 says nothing
+    module.check_launch(str(tmp_path / "ckpt.pt"), 0, 0)
+    assert capsys.readouterr().out == f"requeued, but no checkpoint at {tmp_path}/ckpt.pt: starting over\n"
+    (tmp_path / "ckpt.pt").touch()
+    module.check_launch(str(tmp_path / "ckpt.pt"), 0, 0)
+    assert capsys.readouterr().out == ""
+    monkeypatch.delenv("SLURM_JOB_ID")  # 06 --local: save_checkpoint makes the folder, as in 01-04
+    module.check_launch(str(tmp_path / "missing" / "ckpt.pt"), 0, 0)
+
+
+def test_06_writes_the_account_no_wckey_and_the_container_into_its_job(tmp_path):
+    """The batch script that submitit writes for 06 (an sbatch that keeps it and refuses to submit): --account,
+    no wckey unless asked for (submitit's own, "submitit", is rejected where wckeys are enforced), and tasks in a
+    container: its flags on the srun line, and the image's python instead of this one, absent there."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "sbatch").write_text('#!/bin/sh\nfor last; do :; done\ncp "$last" "$KEEP"\nexit 1\n')
+    (tmp_path / "bin" / "sbatch").chmod(0o755)
+    scripts = []
+    for extra in ([], ["--wckey", "ml"]):
+        keep = tmp_path / f"job{len(scripts)}.sh"
+        subprocess.run([sys.executable, "06_ddp_submitit/train.py", "--nodes", "2", "--gpus-per-node", "4",
+                        "--account", "proj42", "--python", "python3", "--srun-args",
+                        "--container-image=nvcr.io/nvidia/pytorch:24.05-py3 --container-mounts=/scratch", "--log-dir",
+                        str(tmp_path / "logs"), *extra], cwd=REPO, timeout=120, capture_output=True,
+                       env=child_env(KEEP=str(keep), PATH=f"{tmp_path / 'bin'}:{child_env()['PATH']}"))
+        scripts.append(keep.read_text())
+    assert "#SBATCH --account=proj42\n" in scripts[0] and "wckey" not in scripts[0]
+    assert "#SBATCH --wckey=ml\n" in scripts[1]
+    srun = next(line for line in scripts[0].splitlines() if line.startswith("srun "))
+    assert " --container-image=nvcr.io/nvidia/pytorch:24.05-py3 --container-mounts=/scratch " in srun
+    assert " python3 -u -m submitit.core._submit " in srun and sys.executable not in srun
+
+
+def test_06_refuses_tasks_that_do_not_match_the_gpus():
+    done = subprocess.run([sys.executable, "06_ddp_submitit/train.py", "--nodes", "2", "--gpus-per-node", "8",
+                           "--tasks-per-node", "4"], cwd=REPO, capture_output=True, text=True, timeout=60, env=child_env())
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
+        "train.py: error: --tasks-per-node 4 for --gpus-per-node 8: one per GPU"), done.stderr

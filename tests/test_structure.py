@@ -13,7 +13,7 @@ from conftest import REPO, STEPS
 # of consecutive steps that must hold it byte for byte. A new step-specific change belongs in this table.
 ORDER = ["parse_args", "download_mnist", "load_datasets", "Net", "ResumableSampler", "STOP_SIGNALS", "STOP",
          "STOP_CHECK_SECONDS", "STOPPED", "catch_stop_signals", "signalled", "stop_requested", "train_one_epoch",
-         "evaluate", "save_checkpoint", "load_checkpoint", "setup", "train", "run", "main"]
+         "evaluate", "save_checkpoint", "load_checkpoint", "check_launch", "setup", "train", "run", "main"]
 SHARED = {
     "download_mnist": ["01 02 03 04 05 06"],
     "load_datasets": ["01 02 03 04 05 06"],
@@ -23,6 +23,7 @@ SHARED = {
     "evaluate": ["01 02", "03 04", "05 06"],
     "save_checkpoint": ["01 02 03 04 05 06"],
     "load_checkpoint": ["01 02", "03 04 05 06"],
+    "check_launch": ["05 06"],
     "setup": ["03 04", "05 06"],
     "train": ["03 04", "05 06"],
     "ResumableSampler": ["05 06"],

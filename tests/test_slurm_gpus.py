@@ -1,0 +1,162 @@
+"""The GPU lines of 04's and 05's submit.sh on the test cluster, whose nodes declare 4 GPUs each as Slurm gres
+(tests/slurm_cluster.sh), so that Slurm itself sets SLURM_GPUS_ON_NODE and CUDA_VISIBLE_DEVICES by the layout.
+CUDA is stood in for in the tasks by a sitecustomize that counts the CUDA_VISIBLE_DEVICES Slurm set and stops the
+task once it has chosen its device (before set_device and NCCL): each task records the GPU it would take. Without
+the stand-in, CUDA finds no GPU here, as on a node whose driver is down. The batch scripts run with a python that
+exists only inside job steps, as where Python lives in the container alone."""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SYNTHETIC, child_env, read_line, wait_for
+from test_slurm import accounted_runs, job_state, read
+
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+
+FAKE_CUDA = '''
+import os
+if os.environ.get("SLURM_STEP_ID") and os.environ.get("TEST_GPU_LOG"):  # a task of a job step, not the batch script
+    import socket, sys, torch
+    visible = [index for index in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if index]  # what Slurm set
+    torch.cuda.is_available = lambda: bool(visible)
+    torch.cuda.device_count = lambda: len(visible)
+    def set_device(device):  # the device the task chose: record it and the node's GPU behind it, and stop
+        index = torch.device(device).index
+        checkpoint = sys.argv[sys.argv.index("--checkpoint") + 1] if "--checkpoint" in sys.argv else "-"
+        line = (f"{socket.gethostname()} {os.environ.get('RANK', os.environ['SLURM_PROCID'])} "
+                f"{os.environ['CUDA_VISIBLE_DEVICES']} {index} {visible[index]} {checkpoint}\\n")
+        with open(os.environ["TEST_GPU_LOG"], "a") as log:
+            log.write(line)
+        os._exit(0)
+    torch.cuda.set_device = set_device
+'''
+
+
+def python_in_steps_only(folder):
+    """A `python` that exists only inside job steps (srun), as where Python lives in the container alone: on the
+    batch host, as the script runs it, it fails as a missing command does (127)."""
+    wrapper = Path(folder) / "python-in-steps-only"
+    wrapper.write_text(f'#!/bin/sh\n[ -n "$SLURM_STEP_ID" ] || {{ echo "python: not found" >&2; exit 127; }}\n'
+                       f'exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def sbatch(folder, script, sbatch_args, train_args=(), fake_cuda=True, timeout=120):
+    """sbatch REPO/script from folder (the submit folder) with its #SBATCH lines, overriding sbatch_args only;
+    returns (exit code, the job's log, the GPUs recorded: [(host, rank, CUDA_VISIBLE_DEVICES, index, the node's
+    GPU, --checkpoint)]), seconds."""
+    folder.mkdir(exist_ok=True)
+    site = folder / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(FAKE_CUDA)
+    env = child_env(PYTHON=str(python_in_steps_only(folder)), TRAIN_PY=str(REPO / script.replace("submit.sh", "train.py")),
+                    PYTHONPATH=str(site), **({"TEST_GPU_LOG": str(folder / "gpus.log")} if fake_cuda else {}))
+    cmd = ["sbatch", "--parsable", "--wait", "--time=5", f"--output={folder}/%j.out", *sbatch_args, str(REPO / script),
+           *SYNTHETIC, *train_args]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job_id = int(read_line(proc, time.monotonic() + 60).strip())
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"job {job_id} still running after {timeout} s\n{job_state(job_id)}")
+    gpus = [tuple(line.split()) for line in read(folder / "gpus.log").splitlines()]
+    return proc.returncode, read(folder / f"{job_id}.out"), gpus, time.monotonic() - start
+
+
+# 05: two tasks on each node (the nodes have two cores, and Slurm refuses 4 tasks on them even with --overcommit
+# when --ntasks-per-node is given), each with its own GPU, in each layout that sites use.
+LAYOUTS_05 = {
+    "per-node": ["--gpus-per-node=2"],  # every task sees the node's GPUs and takes its local rank's
+    "per-task": ["--gpus-per-node=0", "--gpus-per-task=1"],  # each task sees its own GPU alone
+    "gpu-bind": ["--gpus-per-node=2", "--gpu-bind=single:1"],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_05)
+def test_05_gives_each_gpu_one_task(tmp_path, layout):
+    code, log, gpus, _ = sbatch(tmp_path / "job", "05_ddp_slurm/submit.sh",
+                                ["--ntasks-per-node=2", "--cpus-per-task=1", *LAYOUTS_05[layout]])
+    assert code == 0, log
+    assert sorted((host, rank) for host, rank, *_ in gpus) == [("n1", "0"), ("n1", "1"), ("n2", "2"), ("n2", "3")], log
+    assert sorted((host, gpu) for host, _, _, _, gpu, _ in gpus) == [("n1", "0"), ("n1", "1"), ("n2", "0"), ("n2", "1")]
+    assert {(visible, index) for _, _, visible, index, _, _ in gpus} == (
+        {("0,1", "0"), ("0,1", "1")} if layout == "per-node" else {("0", "0"), ("1", "0")})
+    # The checkpoint: by absolute path, under the submit folder, in a folder that submit.sh made on the host.
+    checkpoints = {checkpoint for *_, checkpoint in gpus}
+    assert len(checkpoints) == 1 and Path(checkpoints.pop()).parent == tmp_path / "job" / "checkpoints", gpus
+    assert (tmp_path / "job" / "checkpoints").is_dir()
+
+
+def test_04_starts_one_process_per_gpu_with_its_lines_as_shipped(tmp_path):
+    code, log, gpus, _ = sbatch(tmp_path / "job", "04_ddp_torchrun/submit.sh", ["--cpus-per-task=2"])
+    assert code == 0, log
+    assert sorted((host, gpu) for host, _, _, _, gpu, _ in gpus) == [(f"n{n}", str(g)) for n in (1, 2) for g in range(4)]
+    assert sorted(int(rank) for _, rank, *_ in gpus) == list(range(8)), log
+    assert "4 processes per node" in log
+
+
+def test_04_refuses_nodes_whose_cuda_finds_no_gpu(tmp_path):
+    code, log, gpus, seconds = sbatch(tmp_path / "job", "04_ddp_torchrun/submit.sh", ["--cpus-per-task=2"],
+                                      fake_cuda=False)
+    assert code != 0 and not gpus
+    for node in ("n1", "n2"):
+        assert f"error: {node}: CUDA finds 0 of its 4 GPUs for 4 processes: one process per working GPU" in log, log
+    assert "rendezvous" not in log, log  # torchrun never started: the check comes first
+
+
+def test_05_without_cuda_every_rank_says_so_in_seconds(tmp_path):
+    code, log, gpus, seconds = sbatch(tmp_path / "job", "05_ddp_slurm/submit.sh",
+                                      ["--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=2"], fake_cuda=False)
+    assert code != 0 and not gpus, log
+    for rank, node in enumerate(["n1", "n1", "n2", "n2"]):
+        assert (f"error: task {rank} on {node}: 2 tasks and 2 GPUs on it, and CUDA sees 0 (CUDA_VISIBLE_DEVICES=0,1): "
+                "run one task per GPU") in log, log
+    assert "local_rank" not in log, log  # no rank joined the process group, nor trained on the CPU
+    print(f"the job took {seconds:.1f} s")
+    assert seconds < 60, log
+
+
+@pytest.mark.parametrize("gpus_per_node", [4, 1])  # the shipped line with 2 tasks: 2 GPUs idle; 2 tasks on 1 GPU
+def test_05_refuses_tasks_that_do_not_match_the_gpus(tmp_path, gpus_per_node):
+    code, log, gpus, _ = sbatch(tmp_path / "job", "05_ddp_slurm/submit.sh",
+                                ["--ntasks-per-node=2", "--cpus-per-task=1",
+                                 *([] if gpus_per_node == 4 else ["--gpus-per-node=1"])])
+    assert code != 0 and not gpus, log
+    visible = ",".join(map(str, range(gpus_per_node)))
+    for rank, node in enumerate(["n1", "n1", "n2", "n2"]):
+        assert (f"error: task {rank} on {node}: 2 tasks and {gpus_per_node} GPUs on it, and CUDA sees {gpus_per_node} "
+                f"(CUDA_VISIBLE_DEVICES={visible}): run one task per GPU") in log, log
+
+
+@pytest.mark.parametrize("flags", [[], ["--batch"], ["--full"]])
+def test_scancel_signal_usr2_reaches_the_tasks_and_with_batch_or_full_kills_the_batch_shell(tmp_path, flags):
+    """What 05's page tells users to try: `scancel --signal=USR2 JOBID` signals the tasks only (the stop that 05
+    turns into a save and a requeue); with -b or --full it also signals the batch shell, which dies of it (the
+    job FAILED on signal 12: no requeue). A site template's `--signal=B:USR2@...` is the same as -b."""
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nsrun bash -c 'trap \"echo task: SIGUSR2; exit 0\" USR2; echo task: started; "
+                      "sleep 60 & wait'\necho \"batch shell: srun returned $?\"\n")
+    done = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--cpus-per-task=1", "--time=2",
+                           f"--output={tmp_path}/%j.out", str(script)], capture_output=True, text=True, timeout=30)
+    job_id = int(done.stdout.strip())
+    log = tmp_path / f"{job_id}.out"
+    wait_for(lambda: "task: started" in read(log), 60, "the task to start", lambda: job_state(job_id))
+    subprocess.run(["scancel", "--signal=USR2", *flags, str(job_id)], check=True, timeout=30)
+    states = accounted_runs(job_id)
+    if not flags:
+        assert states == ["COMPLETED"] and "task: SIGUSR2\nbatch shell: srun returned 0" in read(log), read(log)
+    else:
+        assert states == ["FAILED"] and "batch shell" not in read(log), read(log)
+        assert sacct_exit(job_id) == "0:12"  # the batch shell died of SIGUSR2
+
+
+def sacct_exit(job_id):
+    done = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "ExitCode", "-j", str(job_id)], capture_output=True,
+                          text=True, timeout=30)
+    return done.stdout.strip()
