@@ -301,10 +301,10 @@ def test_05_mid_epoch_checkpoint_and_another_layout(preempted, reference, tmp_pa
         seed1 = train_in_process("05_ddp_slurm", [*flags, "--batch-size", "64", "--seed", "1"], capsys)
         others = {step: train_in_process(step, [*flags, *batch_args(step)], capsys) for step in OTHERS[:3]}
         result = torchrun.result()
-    assert batch16[0] == (f"error: {checkpoint} stopped inside epoch 2 with 2 processes x 32 samples per step, --seed 0 "
-                          "and 3200 training samples; resume it with the same global batch, seed and data (now 1 x 16, "
-                          "0, 3200) or from an end-of-epoch checkpoint"), batch16
-    assert "(now 1 x 64, 1, 3200)" in str(seed1[0]), seed1  # another seed: other samples
+    assert batch16[0] == (f"error: {checkpoint} stopped inside epoch 2 with 2 processes x 32 samples x --accumulate 1 per "
+                          "step, --seed 0 and 3200 training samples; resume it with the same global batch, seed and data "
+                          "(now 1 x 16 x 1, 0, 3200) or from an end-of-epoch checkpoint"), batch16
+    assert "(now 1 x 64 x 1, 1, 3200)" in str(seed1[0]), seed1  # another seed: other samples
     refusal = (f"error: {checkpoint} stopped inside epoch 2; resume it with the step that wrote it (05 or 06), or "
                "start from a checkpoint saved at the end of an epoch")
     assert all(code == refusal for code, _ in others.values()), others
