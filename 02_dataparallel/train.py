@@ -98,7 +98,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, device, epoch, seed, lo
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
     logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
-    batches, steps = iter(loader), math.ceil(len(loader) / accumulate)  # iter() draws from the global generator...
+    batches, steps = iter(loader), math.ceil(len(loader) / accumulate)  # iter() draws: before the seeding below
     for step in range(steps):
         torch.manual_seed(hash((seed, epoch, step)))  # dropout, augmentations in next(): the same after a resume
         group = min(accumulate, len(loader) - step * accumulate)  # micro-batches; the epoch's last group may be short

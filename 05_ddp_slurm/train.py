@@ -156,7 +156,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, device, epoch, seed, lo
     logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
     check_at, every, stopped_at, signum = start_step, 1, None, 0
     started = last_check = time.monotonic()
-    batches, steps = iter(loader), math.ceil(len(loader) / accumulate)  # iter() draws from the global generator...
+    batches, steps = iter(loader), math.ceil(len(loader) / accumulate)  # iter() draws: before the seeding below
     for step in range(start_step, steps):
         if step == check_at:  # SLURM: each check waits for the GPU, so as many steps apart as take STOP_CHECK_SECONDS
             signum, seconds, running = stop_requested(device, last_check, started)
