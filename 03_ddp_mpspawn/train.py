@@ -4,7 +4,7 @@ Run:  bash 03_ddp_mpspawn/run.sh --epochs 3 --checkpoint ckpt03.pt   (--dataset 
 
 Changed since 02: mp.spawn starts --world-size processes, one per GPU (NCCL; Gloo on the CPU), which
 meet at a store that this process serves. Each wraps the model in DDP and trains on its own share of
-every epoch; only rank 0 prints and saves. The global batch is --batch-size x world size.
+every epoch; only rank 0 prints and saves. The global batch is --batch-size x world size x --accumulate.
 """
 import argparse
 import math
