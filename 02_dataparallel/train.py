@@ -7,6 +7,7 @@ the replicas in threads and sums the gradients on the first GPU. On a CPU the pl
 Checkpoints hold the unwrapped model (no "module." prefix). Simple but slow: 03 moves to DDP.
 """
 import argparse
+import math
 import os
 import socket
 import sys
@@ -36,12 +37,16 @@ def parse_args():
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches of --batch-size per optimizer step")
+    parser.add_argument("--warmup", type=float, default=0, help="fraction of the run in which the rate rises to --lr")
+    parser.add_argument("--cosine", action="store_true", help="then let the rate fall along a cosine to 0 at the end")
+    parser.add_argument("--amp", action="store_true", help="bf16 autocast (GPUs from Ampere on, real models)")
     args = parser.parse_args()
     if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
         parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
                      "at least 0")
-    if not args.lr > 0:
-        parser.error("--lr must be above 0")
+    if not args.lr > 0 or args.accumulate < 1 or not 0 <= args.warmup < 1:
+        parser.error("--lr must be above 0, --accumulate at least 1, --warmup at least 0 and below 1")
     return args
 
 
@@ -90,23 +95,28 @@ class Net(nn.Module):
         return self.fc2(F.silu(self.fc1(x.flatten(1))))
 
 
-def train_one_epoch(model, loader, optimizer, device, epoch, log_interval):
-    """One pass over loader; returns (mean training loss, number of samples). Every log_interval steps (0:
-    never) it prints the mean loss and the speed since the line before."""
+def train_one_epoch(model, loader, optimizer, scheduler, device, epoch, seed, log_interval, accumulate, amp):
+    """One pass over loader; returns (mean training loss, samples); progress every log_interval steps (0: never)."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
     logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
-    for step, (images, labels) in enumerate(loader):
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(images), labels)
-        loss.backward()
+    batches, steps = iter(loader), math.ceil(len(loader) / accumulate)  # iter() draws: before the seeding below
+    for step in range(steps):
+        torch.manual_seed(hash((seed, epoch, step)))  # dropout, augmentations in next(): the same after a resume
+        group = min(accumulate, len(loader) - step * accumulate)  # micro-batches; the epoch's last group may be short
+        for micro in range(group):
+            images, labels = (tensor.to(device, non_blocking=True) for tensor in next(batches))
+            with torch.autocast(device.type, torch.bfloat16, enabled=amp):  # bf16 where autocast finds it safe
+                loss = F.cross_entropy(model(images), labels)
+            (loss / group).backward()  # the gradients add up to those of the group's mean loss
+            totals[0] += loss.detach() * len(labels)  # stays on the device: no GPU sync per step
+            totals[1] += len(labels)
         optimizer.step()
-        totals[0] += loss.detach() * len(labels)  # stays on the device: no GPU sync per step
-        totals[1] += len(labels)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         if log_interval and (step + 1) % log_interval == 0:  # one GPU sync per progress line, none between
             (loss_sum, samples), now = (totals - logged).tolist(), time.perf_counter()
-            print(f"epoch {epoch + 1} step {step + 1}/{len(loader)} | loss {loss_sum / samples:.4f} | "
+            print(f"epoch {epoch + 1} step {step + 1}/{steps} | loss {loss_sum / samples:.4f} | "
                   f"{samples / (now - logged_at):.0f} samples/s", flush=True)
             logged, logged_at = totals.clone(), now
     return (totals[0] / totals[1]).item(), int(totals[1])
@@ -160,6 +170,12 @@ def train(args, device):
     dp_model = nn.DataParallel(model) if device.type == "cuda" else model
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     position = load_checkpoint(args.checkpoint, model, optimizer) if args.checkpoint else None
+    # The rate of optimizer step s is a formula of s (as nanoGPT's): a resume recomputes it, under another --epochs too.
+    steps = args.epochs * math.ceil(len(train_loader) / args.accumulate)  # optimizer steps of the run
+    cosine = lambda s: (1 + math.cos(math.pi * min(1, max(0, s / steps - args.warmup) / (1 - args.warmup)))) / 2
+    rate = lambda s: min((s + 1) / (args.warmup * steps + 1), cosine(s) if args.cosine else 1)  # times --lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=position["scheduler"]["last_epoch"] - 1
+                                                  if position else -1)  # it sets the rate of the next step
     start_epoch = position["epoch"] if position else 0
     if position and position.get("step"):  # saved inside an epoch by 05 or 06, which go on from that step
         sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1}; resume it with the step that wrote "
@@ -169,15 +185,14 @@ def train(args, device):
 
     for epoch in range(start_epoch, args.epochs):
         generator.manual_seed(args.seed + epoch)
-        # Random numbers drawn here (dropout; augmentations with --workers 0) depend only on --seed and the epoch:
-        # hash() of ints is the same in every run. Persistent workers take their seeds from here once per run.
-        torch.manual_seed(hash((args.seed, epoch)))
+        torch.manual_seed(hash((args.seed, epoch)))  # data-loader workers' seeds (persistent ones': once per run)
         start = time.perf_counter()
-        loss, samples = train_one_epoch(dp_model, train_loader, optimizer, device, epoch, args.log_interval)
+        loss, samples = train_one_epoch(dp_model, train_loader, optimizer, scheduler, device, epoch, args.seed,
+                                        args.log_interval, args.accumulate, args.amp)
         train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
         if args.checkpoint:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1)
+            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1, scheduler=scheduler.state_dict())
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
                    f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")
         print(summary, flush=True)

@@ -8,6 +8,7 @@ Changed since 05: no batch script of ours: this file submits itself through subm
 requeues. submitit runs run() in every task, where TorchDistributedEnvironment sets the rendezvous.
 """
 import argparse
+import math
 import importlib
 import multiprocessing.resource_tracker
 import os
@@ -15,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -44,6 +46,10 @@ def parse_args():
     parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches of --batch-size per optimizer step")
+    parser.add_argument("--warmup", type=float, default=0, help="fraction of the run in which the rate rises to --lr")
+    parser.add_argument("--cosine", action="store_true", help="then let the rate fall along a cosine to 0 at the end")
+    parser.add_argument("--amp", action="store_true", help="bf16 autocast (GPUs from Ampere on, real models)")
     parser.add_argument("--save-every", type=float, default=30, metavar="MINUTES",
                         help="also save inside an epoch this often (0: never), for a job killed without a warning")
     parser.add_argument("--collective-timeout", type=float, default=600,
@@ -72,8 +78,8 @@ def parse_args():
     if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
         parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
                      "at least 0")
-    if not args.lr > 0:
-        parser.error("--lr must be above 0")
+    if not args.lr > 0 or args.accumulate < 1 or not 0 <= args.warmup < 1:
+        parser.error("--lr must be above 0, --accumulate at least 1, --warmup at least 0 and below 1")
     if not args.collective_timeout > 0 or args.save_every < 0:
         parser.error("--collective-timeout must be above 0 seconds and --save-every at least 0")
     # submitit: the launcher often runs on a login node, whose GPUs (none) say nothing of the compute nodes'.
@@ -173,33 +179,41 @@ def stop_requested(device, since=0, started=0):
     return int(signum), seconds, running
 
 
-def train_one_epoch(model, loader, optimizer, device, epoch, log_interval, start_step=0, save_every=0):
-    """One pass over loader from step start_step, or until all ranks stop at one step, save_every minutes in (0:
-    never) or on a stop signal; returns ([sum of losses, samples] over ranks, that step or None, the signal or 0)."""
+def train_one_epoch(model, loader, optimizer, scheduler, device, epoch, seed, log_interval, accumulate, amp,
+                    start_step, save_every):
+    """One pass over loader from optimizer step start_step, or until all ranks stop at one step, save_every minutes in
+    (0: never) or on a stop signal; returns ([sum of losses, samples] of all ranks, that step or None, the signal)."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
     logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
     check_at, every, stopped_at, signum = start_step, 1, None, 0
     started = last_check = time.monotonic()
-    for step, (images, labels) in enumerate(loader, start_step):
+    batches, steps = iter(loader), math.ceil(len(loader) / accumulate)  # iter() draws: before the seeding below
+    for step in range(start_step, steps):
         if step == check_at:  # SLURM: each check waits for the GPU, so as many steps apart as take STOP_CHECK_SECONDS
             signum, seconds, running = stop_requested(device, last_check, started)
-            if signum or 0 < 60 * save_every <= running:
+            if signum or 0 < 60 * save_every <= running:  # SLURM: only here, between two optimizer steps
                 stopped_at = step
                 break
             every = max(1, min(2 * every, int(STOP_CHECK_SECONDS * every / max(seconds, 1e-6))))  # alike on all ranks
             check_at, last_check = step + every, time.monotonic()
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(images), labels)
-        loss.backward()
+        torch.manual_seed(hash((seed, epoch, step)))  # dropout, augmentations in next(): the same after a resume
+        group = min(accumulate, len(loader) - step * accumulate)  # micro-batches; the epoch's last group may be short
+        for micro in range(group):
+            images, labels = (tensor.to(device, non_blocking=True) for tensor in next(batches))
+            with (model.no_sync() if micro < group - 1 else nullcontext(),  # DDP: all-reduce in the last backward only
+                  torch.autocast(device.type, torch.bfloat16, enabled=amp)):  # bf16 where autocast finds it safe
+                loss = F.cross_entropy(model(images), labels)
+            (loss / group).backward()  # the gradients add up to those of the group's mean loss
+            totals[0] += loss.detach() * len(labels)  # stays on the device: no GPU sync per step
+            totals[1] += len(labels)
         optimizer.step()
-        totals[0] += loss.detach() * len(labels)  # stays on the device: no GPU sync per step
-        totals[1] += len(labels)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         if log_interval and (step + 1) % log_interval == 0:  # one GPU sync per progress line, none between
             (loss_sum, samples), now = (totals - logged).tolist(), time.perf_counter()
             # DDP: rank 0's own loss (an average over ranks would take a collective); each rank trains as many.
-            print(f"epoch {epoch + 1} step {step + 1}/{len(loader)} | loss {loss_sum / samples:.4f} "
+            print(f"epoch {epoch + 1} step {step + 1}/{steps} | loss {loss_sum / samples:.4f} "
                   f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} samples/s", flush=True)
             logged, logged_at = totals.clone(), now
     dist.all_reduce(totals)  # DDP: sum over ranks, so rank 0 reports the global mean loss
@@ -304,16 +318,22 @@ def train(args, rank, world_size, device):
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     position = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
+    # The rate of optimizer step s is a formula of s (as nanoGPT's): a resume recomputes it, under another --epochs too.
+    steps = args.epochs * math.ceil(len(train_loader) / args.accumulate)  # optimizer steps of the run
+    cosine = lambda s: (1 + math.cos(math.pi * min(1, max(0, s / steps - args.warmup) / (1 - args.warmup)))) / 2
+    rate = lambda s: min((s + 1) / (args.warmup * steps + 1), cosine(s) if args.cosine else 1)  # times --lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=position["scheduler"]["last_epoch"] - 1
+                                                  if position else -1)  # it sets the rate of the next step
     start_epoch = position["epoch"] if position else 0
     # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then.
-    layout = (world_size * args.batch_size, args.seed, len(train_set))  # SLURM: what the samples of a step depend on
+    layout = (world_size * args.batch_size * args.accumulate, args.seed, len(train_set))  # SLURM: a step's samples
     start_step, done = (position["step"], position["totals"]) if position and position.get("step") else (0, [0, 0])
     if start_step and position["layout"] != layout:
         sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1} with {position['world_size']} "
-                 f"processes x {position['batch_size']} samples per step, --seed {position['layout'][1]} and "
-                 f"{position['layout'][2]} training samples; resume it with the same global batch, seed and data (now "
-                 f"{world_size} x {args.batch_size}, {args.seed}, {len(train_set)}) or from an end-of-epoch checkpoint"
-                 if is_main else 1)
+                 f"processes x {position['batch_size']} samples x --accumulate {position['accumulate']} per step, "
+                 f"--seed {position['layout'][1]} and {position['layout'][2]} training samples; resume it with the "
+                 f"same global batch, seed and data (now {world_size} x {args.batch_size} x {args.accumulate}, "
+                 f"{args.seed}, {len(train_set)}) or from an end-of-epoch checkpoint" if is_main else 1)
     if position and is_main:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch} step {start_step}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
@@ -323,7 +343,8 @@ def train(args, rank, world_size, device):
         began = time.perf_counter()
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch, step=step, totals=done, layout=layout,
-                            world_size=world_size, batch_size=args.batch_size)
+                            world_size=world_size, batch_size=args.batch_size, accumulate=args.accumulate,
+                            scheduler=scheduler.state_dict())
         dist.barrier(group=rank0_work)
         saved = (f"saved in {time.perf_counter() - began:.1f} s, exit code {STOPPED} to be requeued" if args.checkpoint
                  else "no --checkpoint, so nothing is saved and the job is not requeued (it would start over)")
@@ -335,15 +356,13 @@ def train(args, rank, world_size, device):
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
-        # Random numbers drawn here (dropout; augmentations with --workers 0) depend only on --seed and the epoch:
-        # hash() of ints is the same in every run. Persistent workers take their seeds from here once per run.
-        torch.manual_seed(hash((args.seed, epoch, rank)))  # DDP: and differ from rank to rank
+        torch.manual_seed(hash((args.seed, epoch, rank)))  # DDP: workers' seeds differ from rank to rank
         start, samples, step = time.perf_counter(), 0, start_step
         while step is not None:  # SLURM: the rest of the epoch, in parts that end at a save (--save-every) or a stop
-            sampler.start = step * args.batch_size  # SLURM: this rank's samples of the steps trained already
+            sampler.start = step * args.batch_size * args.accumulate  # SLURM: this rank's samples of the steps trained
             (loss_sum, trained), step, signum = train_one_epoch(  # SLURM: from step to where all ranks stopped, or None
-                ddp_model, train_loader, optimizer, device, epoch, args.log_interval if is_main else 0, step,
-                args.save_every)
+                ddp_model, train_loader, optimizer, scheduler, device, epoch, (args.seed, rank),
+                args.log_interval if is_main else 0, args.accumulate, args.amp, step, args.save_every)
             done, samples = [done[0] + loss_sum, done[1] + trained], samples + trained
             if signum:
                 return save_position(epoch, step, signum)
@@ -355,7 +374,7 @@ def train(args, rank, world_size, device):
             return save_position(epoch, len(train_loader), signum)
         loss, start_step, done = done[0] / done[1], 0, [0, 0]  # SLURM: later epochs start at step 0
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1)
+            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1, scheduler=scheduler.state_dict())
         dist.barrier(group=rank0_work)  # DDP: the others wait until the checkpoint is complete
         summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
                    f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")

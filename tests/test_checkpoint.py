@@ -111,7 +111,8 @@ def wide_03(tmp_path, sitecustomize):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     for parameter in model.parameters():
         optimizer.state[parameter]["momentum_buffer"] = torch.randn_like(parameter)
-    module.save_checkpoint(str(tmp_path / "ckpt.pt"), model, optimizer, epoch=1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1)  # train.py saves its state too
+    module.save_checkpoint(str(tmp_path / "ckpt.pt"), model, optimizer, epoch=1, scheduler=scheduler.state_dict())
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(sitecustomize)
     return 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20

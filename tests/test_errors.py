@@ -30,6 +30,9 @@ BAD_ARGUMENTS = [
     ("--world-size 0", "03_ddp_mpspawn", ["--world-size", "0"], "--world-size"),
     ("--nodes 0", "06_ddp_submitit", ["--nodes", "0"], "--nodes"),
     ("--local on 2 nodes", "06_ddp_submitit", ["--local", "--nodes", "2"], "--local"),
+    ("--accumulate 0", "03_ddp_mpspawn", ["--accumulate", "0"], "--accumulate"),  # before mp.spawn: exit 2 too
+    ("--warmup 1 (the whole run)", "05_ddp_slurm", ["--warmup", "1"], "--warmup"),
+    ("--warmup -0.1", "01_single_gpu", ["--warmup", "-0.1"], "--warmup"),
 ]
 
 

@@ -245,3 +245,45 @@ def test_a_resume_on_the_gpu_holds_at_most_one_copy_of_the_state(tmp_path):
     print(f"state {state_mb:.0f} MB; host {host_before} -> peak {host_peak} MB, GPU {gpu_before} -> peak {gpu_peak} MB")
     assert host_peak - host_before <= state_mb + state_mb / 2 + 64, figures.group(0)
     assert gpu_peak - gpu_before <= state_mb / 2 + 64, figures.group(0)
+
+
+@pytest.fixture(scope="module")
+def accumulated_on_the_gpu(tmp_path_factory):
+    """05 as srun starts one task on the GPU, --amp, 4 micro-batches of 16 a step, warm-up + cosine, one epoch: with
+    SIGTERM to itself in the second micro-batch of step 21 (forward 82), then resumed; and uninterrupted."""
+    from test_accumulation import HOOKS
+    folder = tmp_path_factory.mktemp("accumulated")
+    (folder / "site").mkdir()
+    (folder / "site" / "sitecustomize.py").write_text(NO_TF32 + SITECUSTOMIZE + HOOKS)
+    args = [*SYNTHETIC, "--batch-size", "16", "--accumulate", "4", "--warmup", "0.1", "--cosine", "--amp", "--epochs",
+            "1"]
+    runs = {}
+    for name, extra in (("stopped", {"TEST_SIGNAL_AT_FORWARD": "82"}), ("uninterrupted", {})):
+        env = lambda **kw: child_env(PYTHONPATH=str(folder / "site"), TEST_STEP_CLOCK=STEP_CLOCK,  # noqa: E731
+                                     TEST_DTYPE_LOG=str(folder / f"{name}.dtypes"), **kw, **extra)
+        checkpoint = folder / f"{name}.pt"
+        codes, output = finish_all(start_05([*args, "--checkpoint", str(checkpoint)], env, world_size=1), timeout=300)
+        runs[name] = dict(codes=codes, output=output, checkpoint=checkpoint, dtypes=folder / f"{name}.dtypes")
+        if name == "stopped":
+            runs[name]["step"] = torch.load(checkpoint, map_location="cpu")["step"]
+            runs[name]["resumed"] = finish_all(start_05([*args, "--checkpoint", str(checkpoint)],
+                                                        lambda **kw: child_env(PYTHONPATH=str(folder / "site"), **kw),
+                                                        world_size=1), timeout=300)
+    return runs
+
+
+def test_05_on_the_gpu_in_bf16_stops_between_micro_batches_on_the_next_step_and_resumes(accumulated_on_the_gpu):
+    """On CUDA: --amp computes the Linear layers in bf16; SIGTERM between two micro-batches of step 21 stops the
+    run after that step, and the resumed run ends like the uninterrupted one."""
+    stopped, uninterrupted = accumulated_on_the_gpu["stopped"], accumulated_on_the_gpu["uninterrupted"]
+    assert "device cuda:0 backend nccl" in stopped["output"], stopped["output"]
+    assert stopped["codes"] == [REQUEUE_CODE] and STOPPED.findall(stopped["output"]) == [("1", "21", "SIGTERM")], \
+        stopped["output"]
+    assert stopped["step"] == 21
+    codes, resumed = stopped["resumed"]
+    assert codes == [0] and "after epoch 0 step 21" in resumed, resumed
+    assert uninterrupted["codes"] == [0], uninterrupted["output"]
+    assert stopped["dtypes"].read_text().split() == ["0", "torch.bfloat16"]
+    diff = max_abs_diff(weights(stopped["checkpoint"]), weights(uninterrupted["checkpoint"]))
+    print(f"05 on the GPU, bf16, stopped between two micro-batches of step 21, resumed: max abs diff {diff:.2e}")
+    assert diff <= GPU_TOLERANCE

@@ -301,10 +301,10 @@ def test_05_mid_epoch_checkpoint_and_another_layout(preempted, reference, tmp_pa
         seed1 = train_in_process("05_ddp_slurm", [*flags, "--batch-size", "64", "--seed", "1"], capsys)
         others = {step: train_in_process(step, [*flags, *batch_args(step)], capsys) for step in OTHERS[:3]}
         result = torchrun.result()
-    assert batch16[0] == (f"error: {checkpoint} stopped inside epoch 2 with 2 processes x 32 samples per step, --seed 0 "
-                          "and 3200 training samples; resume it with the same global batch, seed and data (now 1 x 16, "
-                          "0, 3200) or from an end-of-epoch checkpoint"), batch16
-    assert "(now 1 x 64, 1, 3200)" in str(seed1[0]), seed1  # another seed: other samples
+    assert batch16[0] == (f"error: {checkpoint} stopped inside epoch 2 with 2 processes x 32 samples x --accumulate 1 per "
+                          "step, --seed 0 and 3200 training samples; resume it with the same global batch, seed and data "
+                          "(now 1 x 16 x 1, 0, 3200) or from an end-of-epoch checkpoint"), batch16
+    assert "(now 1 x 64 x 1, 1, 3200)" in str(seed1[0]), seed1  # another seed: other samples
     refusal = (f"error: {checkpoint} stopped inside epoch 2; resume it with the step that wrote it (05 or 06), or "
                "start from a checkpoint saved at the end of an epoch")
     assert all(code == refusal for code, _ in others.values()), others
@@ -445,12 +445,14 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
     try:
         model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1)
+        cpu = dict(scheduler=scheduler, device=torch.device("cpu"), epoch=0, seed=0, log_interval=0, accumulate=1,
+                   amp=False, start_step=0, save_every=0)
         module.STOP.clear()
         # 1000 steps of 2 ms: not a check every step or every 10, but one per interval once the spacing has
         # doubled up to it, and never more than an interval and a step apart.
         (_, samples), stopped_at, _ = module.train_one_epoch(model, DataLoader(SlowData(clock, 0.0005, 4000),
-                                                                              batch_size=4), optimizer,
-                                                             torch.device("cpu"), 0, 0)
+                                                                              batch_size=4), optimizer, **cpu)
         gaps = [later - earlier for earlier, later in zip(checks, checks[1:])]
         assert stopped_at is None and samples == 4000
         assert len(checks) < 1000 / 50 and 0.5 - 0.002 <= max(gaps) <= 0.5 + 0.002 + 1e-9, checks
@@ -461,7 +463,7 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
         clock.now, requested = 0.0, 2.0
         stop = lambda now: now >= requested and module.STOP.setdefault("signal", signal.SIGUSR2)  # noqa: E731
         (_, samples), stopped_at, signum = module.train_one_epoch(
-            model, DataLoader(SlowData(clock, 0.05, 400, stop), batch_size=4), optimizer, torch.device("cpu"), 0, 0)
+            model, DataLoader(SlowData(clock, 0.05, 400, stop), batch_size=4), optimizer, **cpu)
         assert stopped_at is not None and 0 < samples < 400 and signum == signal.SIGUSR2, (stopped_at, samples)
         assert 0 <= checks[-1] - requested <= 0.5 + 0.2 + 1e-9, checks  # one interval + a step
     finally:

@@ -35,8 +35,8 @@ SHARED = {
     "stop_requested": ["05 06"],
     "catch_stop_signals": ["05 06"],
 }
-ALLOWED_IMPORTS = {"argparse", "datetime", "importlib", "multiprocessing", "os", "shlex", "signal", "socket", "sys", "time",
-                   "torch", "torchvision", "submitit"}
+ALLOWED_IMPORTS = {"argparse", "contextlib", "datetime", "importlib", "math", "multiprocessing", "os", "shlex",
+                   "signal", "socket", "sys", "time", "torch", "torchvision", "submitit"}
 
 
 def definitions(step):
