@@ -30,7 +30,7 @@ def parse_args():
             return action.help if action.default is None else super()._get_help_string(action)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Defaults)  # names the step
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per micro-batch in each process")
     parser.add_argument("--test-batch-size", type=int, default=1000, help="samples per evaluation step in each process")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
@@ -115,7 +115,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, device, epoch, seed, lo
     logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
     batches, steps = iter(loader), math.ceil(len(loader) / accumulate)  # iter() draws: before the seeding below
     for step in range(steps):
-        torch.manual_seed(hash((seed, epoch, step)))  # dropout, augmentations in next(): the same after a resume
+        torch.manual_seed(hash((seed, epoch, step)))  # dropout (augmentations too, --workers 0): as if never stopped
         group = min(accumulate, len(loader) - step * accumulate)  # micro-batches; the epoch's last group may be short
         for micro in range(group):
             images, labels = (tensor.to(device, non_blocking=True) for tensor in next(batches))
@@ -216,12 +216,16 @@ def train(args, rank, world_size, device):
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     position = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
-    # The rate of optimizer step s is a formula of s (as nanoGPT's): a resume recomputes it, under another --epochs too.
-    steps = args.epochs * math.ceil(len(train_loader) / args.accumulate)  # optimizer steps of the run
+    # The rate of optimizer step s is a formula of s (as nanoGPT's): a resume recomputes it from the steps trained, as
+    # this run counts them, under another --epochs, --lr or global batch too.
+    per_epoch = math.ceil(len(train_loader) / args.accumulate)  # optimizer steps of an epoch
+    steps = args.epochs * per_epoch  # of the run
+    trained = position["epoch"] * per_epoch + position.get("step", 0) if position else 0  # before this run
     cosine = lambda s: (1 + math.cos(math.pi * min(1, max(0, s / steps - args.warmup) / (1 - args.warmup)))) / 2
     rate = lambda s: min((s + 1) / (args.warmup * steps + 1), cosine(s) if args.cosine else 1)  # times --lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=position["scheduler"]["last_epoch"] - 1
-                                                  if position else -1)  # it sets the rate of the next step
+    for group in optimizer.param_groups:  # the rate's base (a checkpoint saved before the schedule has none)
+        group["initial_lr"] = args.lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=trained - 1)  # sets the next step's rate
     start_epoch = position["epoch"] if position else 0
     if position and position.get("step"):  # saved inside an epoch by 05 or 06, which go on from that step
         sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1}; resume it with the step that wrote "

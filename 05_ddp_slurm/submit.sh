@@ -14,6 +14,7 @@
 #SBATCH --time=01:00:00             # wall-clock limit
 #SBATCH --signal=USR2@120           # SIGUSR2 to every task 120 s before the limit: save, and requeue (below).
 #                                   # Not B:USR2 (a site template's): that signals only this script, which dies of it
+#                                   # The lead must exceed an optimizer step (all --accumulate micro-batches) + a save
 #SBATCH --requeue                   # the job may go back to the queue (after a stop, when preempted, a node fails)
 #SBATCH --open-mode=append          # a requeued job appends to its log instead of overwriting it
 #SBATCH --output=%x-%j.out          # one log per job (stdout and stderr): job name and job id

@@ -34,7 +34,7 @@ def parse_args():
             return action.help if action.default is None else super()._get_help_string(action)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Defaults)  # names the step
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per micro-batch in each process")
     parser.add_argument("--test-batch-size", type=int, default=1000, help="samples per evaluation step in each process")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
@@ -197,7 +197,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, device, epoch, seed, lo
                 break
             every = max(1, min(2 * every, int(STOP_CHECK_SECONDS * every / max(seconds, 1e-6))))  # alike on all ranks
             check_at, last_check = step + every, time.monotonic()
-        torch.manual_seed(hash((seed, epoch, step)))  # dropout, augmentations in next(): the same after a resume
+        torch.manual_seed(hash((seed, epoch, step)))  # dropout (augmentations too, --workers 0): as if never stopped
         group = min(accumulate, len(loader) - step * accumulate)  # micro-batches; the epoch's last group may be short
         for micro in range(group):
             images, labels = (tensor.to(device, non_blocking=True) for tensor in next(batches))
@@ -268,8 +268,10 @@ def load_checkpoint(path, model, optimizer, group):
 def check_launch(checkpoint, rank, local_rank):
     """SLURM: a wrong launch ends here with one line, before any rank waits for another. Slurm's own counts decide
     (no login profile sets them): no CPU run on GPU nodes, no GPU idle or shared by tasks, no silent start over."""
-    where, gpus = f"error: task {rank} on {socket.gethostname()}", int(os.environ.get("SLURM_GPUS_ON_NODE", 0))
-    tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "0").split(",")  # "4(x2),2": 4, 4, 2
+    # SLURM_GPUS_ON_NODE where the site declares GPUs as gres (else the node's, as CUDA counts them).
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or torch.cuda.device_count())
+    where = f"error: task {rank} on {socket.gethostname()}"
+    tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(gpus)).split(",")  # "4(x2),2": 4,4,2
              for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
     tasks, visible = tasks[int(os.environ.get("SLURM_NODEID", 0))], torch.cuda.device_count() if gpus else 0
     if gpus and (not torch.cuda.is_available() or tasks != gpus or visible not in (1, gpus)):
@@ -318,12 +320,16 @@ def train(args, rank, world_size, device):
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     position = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
-    # The rate of optimizer step s is a formula of s (as nanoGPT's): a resume recomputes it, under another --epochs too.
-    steps = args.epochs * math.ceil(len(train_loader) / args.accumulate)  # optimizer steps of the run
+    # The rate of optimizer step s is a formula of s (as nanoGPT's): a resume recomputes it from the steps trained, as
+    # this run counts them, under another --epochs, --lr or global batch too.
+    per_epoch = math.ceil(len(train_loader) / args.accumulate)  # optimizer steps of an epoch
+    steps = args.epochs * per_epoch  # of the run
+    trained = position["epoch"] * per_epoch + position.get("step", 0) if position else 0  # before this run
     cosine = lambda s: (1 + math.cos(math.pi * min(1, max(0, s / steps - args.warmup) / (1 - args.warmup)))) / 2
     rate = lambda s: min((s + 1) / (args.warmup * steps + 1), cosine(s) if args.cosine else 1)  # times --lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=position["scheduler"]["last_epoch"] - 1
-                                                  if position else -1)  # it sets the rate of the next step
+    for group in optimizer.param_groups:  # the rate's base (a checkpoint saved before the schedule has none)
+        group["initial_lr"] = args.lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=trained - 1)  # sets the next step's rate
     start_epoch = position["epoch"] if position else 0
     # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then.
     layout = (world_size * args.batch_size * args.accumulate, args.seed, len(train_set))  # SLURM: a step's samples
@@ -371,7 +377,7 @@ def train(args, rank, world_size, device):
         train_time = time.perf_counter() - start
         correct, total = evaluate(model, test_loader, device)
         if signum := stop_requested(device)[0]:  # SLURM: a stop signal in evaluate(): the next run evaluates again
-            return save_position(epoch, len(train_loader), signum)
+            return save_position(epoch, math.ceil(len(train_loader) / args.accumulate), signum)
         loss, start_step, done = done[0] / done[1], 0, [0, 0]  # SLURM: later epochs start at step 0
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1, scheduler=scheduler.state_dict())
@@ -403,6 +409,8 @@ def main():
     # submitit: the job inherits these from an allocation or torchrun; TorchDistributedEnvironment would take them.
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
+    for name in [name for name in os.environ if args.local and name.startswith("SLURM_")]:  # --local in an allocation:
+        os.environ.pop(name)  # its tasks are not the allocation's (check_launch would read its layout)
     # submitit: Slurm when there is one (or --local: processes here); a new log folder for every launch.
     folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))
     executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None, slurm_python=args.python)

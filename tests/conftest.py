@@ -254,7 +254,8 @@ mp.spawn = spawn_after_a_thief
 '''
 # A shell inside an allocation, or one that ran torchrun before, has these set: 06's first ladder run starts there.
 STALE_RENDEZVOUS = dict(MASTER_ADDR="10.255.255.1", MASTER_PORT="1", RANK="7", WORLD_SIZE="9", LOCAL_RANK="3",
-                        LOCAL_WORLD_SIZE="4")
+                        LOCAL_WORLD_SIZE="4",  # and 06 --local run inside an allocation's step, of 1 task on 4 GPUs:
+                        SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_GPUS_ON_NODE="4", SLURM_STEP_TASKS_PER_NODE="1")
 
 
 @pytest.fixture(scope="session")

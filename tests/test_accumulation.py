@@ -4,6 +4,7 @@ epoch, also one that comes between two micro-batches of an optimizer step. Hooks
 all-reduces (a comm hook, as DDP's reducer bypasses dist.all_reduce), log each optimizer step's learning rate, see
 the dtype of the activations and send a stop signal at a chosen forward."""
 import contextlib
+import math
 import io
 import os
 import signal
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from conftest import (STEPS, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, free_port, load_step_module,
+from conftest import (STEPS, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, free_port, load_step_module,
                       max_abs_diff, run_slurm_tasks, run_step, wait_for)
 from test_copy import copy_step
 from test_preemption import REQUEUE_CODE, SITECUSTOMIZE, STOPPED, finish_all, hold_env
@@ -305,3 +307,31 @@ def test_05_a_stop_between_two_micro_batches_falls_on_the_next_optimizer_step(dr
     """--amp, SIGTERM to rank 0 in the second micro-batch of optimizer step 21: the step completes, both ranks stop
     after it, and the resumed run ends bit for bit like an uninterrupted --amp run."""
     assert_resumed_bit_for_bit(dropout_runs("amp"), SIGNAL_AT // 4 + 1)
+
+
+def test_a_resume_under_another_global_batch_or_from_an_older_checkpoint_keeps_the_schedule(tmp_path):
+    """An end-of-epoch checkpoint resumes under any layout: 01 trains one epoch at a global batch of 64 (50 steps
+    an epoch), then resumes for epoch 2 at 32 x --accumulate 4 (25 steps an epoch, 50 in the run). Its rates go on from
+    the steps trained as the new layout counts them (step 25 of 50), not from the old count (step 50: a rate of 0,
+    so that epoch 2 would not train). The checkpoint has no scheduler state and its optimizer no initial_lr, as
+    those of the ladder before the schedule: it resumes too."""
+    checkpoint, schedule = tmp_path / "ckpt.pt", ["--warmup", "0.1", "--cosine", "--log-interval", "0"]
+    run_here("01_single_gpu", [*SYNTHETIC[:2], *schedule, "--epochs", "1", "--checkpoint", str(checkpoint)])
+    old = state(checkpoint)
+    assert old["epoch"] == 1 and old["scheduler"]["last_epoch"] == STEPS_PER_EPOCH, old
+    del old["scheduler"]
+    for group in old["optimizer"]["param_groups"]:
+        del group["initial_lr"]
+    torch.save(old, checkpoint)
+    rates = []
+    handle = register_optimizer_step_post_hook(
+        lambda optimizer, args, kwargs: rates.append(optimizer.param_groups[0]["lr"]))
+    try:
+        run_here("01_single_gpu", [*SYNTHETIC[:2], *schedule, "--batch-size", "32", "--accumulate", "4", "--epochs",
+                                   "2", "--checkpoint", str(checkpoint)])
+    finally:
+        handle.remove()
+    steps = STEPS_PER_EPOCH  # of the resumed layout's run: 2 epochs of 25
+    rate = lambda s: (1 + math.cos(math.pi * min(1, max(0, s / steps - 0.1) / 0.9))) / 2  # noqa: E731 (after warm-up)
+    assert rates == pytest.approx([0.01 * rate(s) for s in range(steps // 2, steps)], rel=1e-9), rates
+    assert state(checkpoint)["scheduler"]["last_epoch"] == steps

@@ -65,6 +65,8 @@ def test_06_submits_from_a_shell_that_has_rendezvous_variables(ladder):
     (1, "2(x3)", 1, True),        # 2 tasks on 1 GPU: NCCL's "Duplicate GPU"
     (4, "4(x3)", 2, True),        # 2 of the 4 visible (a site's binding): local rank 3 would have none
     (4, "4(x3)", 0, True),        # CUDA finds none (driver down, CUDA_VISIBLE_DEVICES emptied): not the CPU
+    (None, "4(x3)", 4, False),    # a site without GPU gres: the node's GPUs as CUDA counts them
+    (None, "8(x3)", 4, True),     # there, 8 tasks on a node of 4 GPUs: local ranks 4-7 would have none
 ])
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
 def test_a_wrong_gpu_launch_is_refused_in_one_line(monkeypatch, tmp_path, step, gpus, tasks_per_node, visible, refused):
@@ -73,7 +75,8 @@ def test_a_wrong_gpu_launch_is_refused_in_one_line(monkeypatch, tmp_path, step, 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     for name, value in dict(SLURM_GPUS_ON_NODE=gpus, SLURM_STEP_TASKS_PER_NODE=tasks_per_node, SLURM_NODEID=2,
                             SLURM_JOB_ID=42, CUDA_VISIBLE_DEVICES="0,1,2,3"[:2 * visible - 1]).items():
-        monkeypatch.setenv(name, str(value))
+        monkeypatch.setenv(name, str(value)) if value is not None else monkeypatch.delenv(name, raising=False)
+    gpus = visible if gpus is None else gpus
     if not refused:
         module.check_launch(str(tmp_path / "ckpt.pt"), 5, 1)
         return

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import (REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, batch_args, child_env, free_port,
+from conftest import (GLOBAL_BATCH, REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, batch_args, child_env, free_port,
                       load_step_module, max_abs_diff, run_step, submitit_logs, train_in_process, wait_for, weights)
 
 TRAIN_05 = [*SYNTHETIC[:2], *batch_args("05_ddp_slurm")]  # --workers is chosen per test
@@ -364,14 +364,16 @@ def test_06_local_preemption_requeues_and_resumes(cluster_env, ladder, tmp_path)
 
 def test_05_a_signal_during_evaluation_stops_the_job(cluster_env, reference, tmp_path, capsys):
     """Rank 1 signals itself during epoch 2's evaluation (at its 401st test sample, in its first batch of 100; 400
-    per rank and epoch), rank 0 gets nothing: rank 1 evaluates no further, both stop there, rank 0 saves the epoch
+    per rank and epoch), under --accumulate 2; rank 0 gets nothing: rank 1 evaluates no further, both stop there, rank 0 saves the epoch
     as trained, both exit to be requeued; the resumed run (here in this process, 1 x 64: the same global batch)
     trains no step, evaluates, and prints epoch 2's line with the uninterrupted run's loss."""
     checkpoint, fetch_log = tmp_path / "ckpt.pt", tmp_path / "fetches.log"
     signal_on_rank_1 = lambda **kw: cluster_env(**kw, TEST_FETCH_LOG=str(fetch_log), **(  # noqa: E731
         {"TEST_SIGNAL_AT_FETCH": "800:401"} if kw["SLURM_PROCID"] == "1" else {}))
-    procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "2", "--test-batch-size", "100", "--checkpoint",
-                      str(checkpoint)], signal_on_rank_1)
+    # 2 x 16 x --accumulate 2: the global batch of TRAIN_05, in half as many samples per micro-batch; the saved step
+    # counts optimizer steps (a count of micro-batches would resume past the epoch's end, as 2 x STEPS_PER_EPOCH).
+    procs = start_05([*SYNTHETIC[:2], "--batch-size", str(GLOBAL_BATCH // 4), "--accumulate", "2", "--workers", "0",
+                      "--epochs", "2", "--test-batch-size", "100", "--checkpoint", str(checkpoint)], signal_on_rank_1)
     codes, output = finish_all(procs, timeout=60)
     assert codes == [REQUEUE_CODE] * 2, output
     assert f"stopped at epoch 2 step {STEPS_PER_EPOCH} on SIGUSR2" in output and "epoch 2/2 |" not in output, output
