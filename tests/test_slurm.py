@@ -134,14 +134,15 @@ def finish(proc, timeout):
     return proc.returncode
 
 
-def check_job_log(log, nodes, tasks, epochs):
-    """One epoch line per epoch; one launch line per rank, on the nodes asked for; one rendezvous."""
+def check_job_log(log, nodes, tasks, epochs, pair=SLURM_NODES):
+    """One epoch line per epoch; one launch line per rank, on the first nodes of the pair that ran the job (this
+    worker's, or, for a shared run, that of the worker that made it); one rendezvous."""
     result = Result(0, log, "", 0)
     assert [int(e["epoch"]) for e in result.epochs()] == list(range(1, epochs + 1)), log
     launches = result.launches()  # (rank, world, local rank, host, pid, device, backend, addr, port)
     assert sorted(int(launch[0]) for launch in launches) == list(range(nodes * tasks)), log
-    assert {launch[3] for launch in launches} == set(SLURM_NODES[:nodes]), log  # this worker's pair
-    assert len({(launch[7], launch[8]) for launch in launches}) == 1 and launches[0][7] == SLURM_NODES[0], log
+    assert {launch[3] for launch in launches} == set(pair[:nodes]), log
+    assert len({(launch[7], launch[8]) for launch in launches}) == 1 and launches[0][7] == pair[0], log
     return launches
 
 
@@ -156,7 +157,7 @@ def submit_sh_runs(slurm, shared):
                                                     f"{folder}/ckpt.pt"], env=env)
         job_id = job_id_of(proc)
         code = finish(proc, 180)
-        return dict(code=code, job_id=job_id, log=read(f"{folder}/ddp-slurm-{job_id}.out"),
+        return dict(code=code, job_id=job_id, log=read(f"{folder}/ddp-slurm-{job_id}.out"), pair=SLURM_NODES,
                     checkpoint=folder / "ckpt.pt", seconds=time.monotonic() - start,
                     cores_log=env.get("TEST_CORES_LOG"))
     return SharedRuns(shared, "submit-sh", compute, keys=True)
@@ -167,7 +168,7 @@ def test_submit_sh(submit_sh_runs, reference, layout):
     run = submit_sh_runs[layout]
     print(f"sbatch --wait 05_ddp_slurm/submit.sh on {layout}: {run['seconds']:.1f} s")
     assert run["code"] == 0, run["log"]
-    launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
+    launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2, pair=run["pair"])
     assert int(launches[0][8]) == 20000 + run["job_id"] % 12000  # where the search for a free port starts
     assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
     assert accounted_runs(run["job_id"]) == ["COMPLETED"]  # what the site's accounting keeps of it
@@ -416,6 +417,7 @@ def submitit_runs(slurm, shared):
                                                              "--checkpoint", f"{folder}/ckpt.pt"], env=env)
         code = finish(proc, 180)
         return dict(code=code, out=proc.stdout.read(), err=proc.stderr.read(), log=submitit_logs(folder / "logs"),
+                    pair=SLURM_NODES,
                     checkpoint=folder / "ckpt.pt", seconds=time.monotonic() - start,
                     cores_log=env.get("TEST_CORES_LOG"))
     return SharedRuns(shared, "submitit", compute, keys=True)
@@ -427,7 +429,7 @@ def test_submitit_on_slurm(submitit_runs, reference, layout):
     print(f"06 through submitit's Slurm executor on {layout}: {run['seconds']:.1f} s")
     assert run["code"] == 0, run["out"] + run["log"]
     job_id = int(re.search(r"^submitted job (\d+); logs in \S+", run["out"], re.M).group(1))
-    launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
+    launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2, pair=run["pair"])
     assert int(launches[0][8]) == 20000 + job_id % 12000  # the batch script's port search, not submitit's own
     assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
     assert "sacct error" not in run["err"], run["err"]  # submitit's state polling worked: no guessing

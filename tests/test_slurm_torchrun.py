@@ -60,11 +60,12 @@ def rounds(log):
     return [launches[i:i + NODES * NPROC] for i in range(0, len(launches), NODES * NPROC)]
 
 
-def check_round(launches, log):
-    """Ranks 0-3 once each, two per node with local ranks 0 and 1, one master address for all."""
+def check_round(launches, log, pair=SLURM_NODES):
+    """Ranks 0-3 once each, two per node (of the pair that ran the job) with local ranks 0 and 1, one master
+    address for all."""
     assert sorted(int(launch[0]) for launch in launches) == list(range(NODES * NPROC)), log
     assert {int(launch[1]) for launch in launches} == {NODES * NPROC}, log
-    for host in SLURM_NODES:
+    for host in pair:
         assert sorted(int(launch[2]) for launch in launches if launch[3] == host) == [0, 1], log
     assert len({(launch[7], launch[8]) for launch in launches}) == 1, log
 
@@ -93,22 +94,22 @@ def torchrun_run(slurm, shared):
         job = Job(folder, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"])
         code = job.finish(180)
         return dict(code=code, job_id=job.id, details=job.details(), log=job.log(), checkpoint=folder / "ckpt.pt",
-                    seconds=time.monotonic() - start)
+                    seconds=time.monotonic() - start, pair=SLURM_NODES)  # the nodes of the worker that made it
     return SharedRuns(shared, "torchrun-2x2", compute)
 
 
 def test_submit_sh_one_torchrun_per_node(torchrun_run, reference):
     """Four ranks over n1 and n2 from one c10d rendezvous on the first node; the weights of 01 at the same
     global batch."""
-    run = {key: torchrun_run[key] for key in ("code", "job_id", "details", "log", "checkpoint", "seconds")}
+    run = {key: torchrun_run[key] for key in ("code", "job_id", "details", "log", "checkpoint", "seconds", "pair")}
     log = run["log"]
     assert run["code"] == 0, run["details"]
     (launches,) = rounds(log)  # one round: no restart
-    check_round(launches, log)
+    check_round(launches, log, run["pair"])
     job_id, restart, host, port = RENDEZVOUS.search(log).groups()
-    assert (int(job_id), restart, host) == (run["job_id"], "0", SLURM_NODES[0]), log
+    assert (int(job_id), restart, host) == (run["job_id"], "0", run["pair"][0]), log
     assert 20000 <= int(port) < 32000, log
-    assert launches[0][7] == SLURM_NODES[0], log  # node rank 0, and so the workers' master, is on the first node
+    assert launches[0][7] == run["pair"][0], log  # node rank 0, and so the workers' master, is on the first node
     assert epoch_lines(log) == [1, 2], log
     diff = max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2))
     print(f"04 submit.sh on 2 nodes x 2 processes: {run['seconds']:.1f} s, max abs diff to 01: {diff:.2e}")
