@@ -194,10 +194,77 @@ def train_in_process(step, argv, capsys):
     return code or 0, capsys.readouterr().out
 
 
+# The Slurm tests that take longest (in this order), started before the others so that none of them starts last.
+SLURM_LONGEST = ["test_submitit_through_a_preemption_and_many_timeouts",
+                 "test_submit_sh_through_a_time_limit_and_a_preemption", "test_submitit_job_ends_when_a_rank_dies"]
+
+
 def pytest_collection_modifyitems(items):
-    """The Slurm tests first: under pytest-xdist (-n 3 --dist loadgroup, pytest.ini) they run in one group, on one
-    worker, mostly waiting for the scheduler, while the other workers take the rest."""
-    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: the files' order otherwise
+    """Under pytest-xdist (pytest.ini: --dist load --maxschedchunk 1) a free worker takes the next test of this
+    order. The Slurm tests mostly wait (for the scheduler, time limits, grace times) while the rest keeps the cores
+    busy, so they come early, longest first, each followed by one of the rest, and the rest after them."""
+    slurm = [item for item in items if item.get_closest_marker("slurm")]
+    slurm.sort(key=lambda item: SLURM_LONGEST.index(item.originalname) if item.originalname in SLURM_LONGEST
+               else len(SLURM_LONGEST))  # stable: the files' order otherwise
+    rest = [item for item in items if not item.get_closest_marker("slurm")]
+    items[:] = [item for pair in zip(slurm, rest) for item in pair] + slurm[len(rest):] + rest[len(slurm):]
+
+
+# --- the local Slurm cluster of tests/slurm_cluster.sh ---
+# Its state folder (SLURM_TEST_DIR) and its slurm.conf, which every Slurm command the tests and their jobs run
+# finds through SLURM_CONF. The cluster has pairs of nodes, each with partitions of its own (its high one preempts
+# its low one and no other job): each pytest-xdist worker submits to a pair of its own (worker gwN to pair N), so
+# that its tests, which run one after another, can preempt, requeue and time out their jobs while the other
+# workers' jobs run beside them.
+CLUSTER = REPO / "tests" / "slurm_cluster.sh"
+SLURM_DIR = Path(os.environ.get("SLURM_TEST_DIR", "/tmp/ddp-ladder-slurm"))
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+SLURM_PARTITION, SLURM_HIGH = (f"low{WORKER or ''}", f"high{WORKER or ''}")  # pair 0's: low and high
+_prefix = os.environ.get("SLURM_TEST_NODE_PREFIX", "n")
+SLURM_NODES = [f"{_prefix}{2 * WORKER + 1}", f"{_prefix}{2 * WORKER + 2}"]  # the pair's nodes, in order
+STARTED_BY = SLURM_DIR / "started-by-pytest"  # the run that started the cluster stops it at its end
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or the one process without pytest-xdist)
+        os.environ.setdefault("DDPL_TEST_RUN", f"{os.getpid()}-{time.time_ns()}")  # the workers inherit it
+
+
+def pytest_sessionfinish(session):
+    """The controller stops the cluster that a worker of this run started, once every worker is done."""
+    if hasattr(session.config, "workerinput") or not STARTED_BY.exists():
+        return
+    if STARTED_BY.read_text() == os.environ["DDPL_TEST_RUN"]:
+        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A running cluster: the one already up (left running), or one started here (under a lock, as every worker
+    asks) and stopped at the run's end. Every Slurm command of this worker then submits to its own pair."""
+    def unavailable(reason):
+        if os.environ.get("REQUIRE_SLURM") == "1":  # CI: a skipped Slurm test would be a silent pass
+            pytest.fail(f"REQUIRE_SLURM=1 but {reason}")
+        pytest.skip(f"no local Slurm cluster: {reason}")
+
+    os.environ["SLURM_CONF"] = str(SLURM_DIR / "slurm.conf")
+    with FileLock(f"{SLURM_DIR}.lock"):
+        if subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True).returncode != 0:
+            if os.geteuid() != 0:
+                unavailable("tests/slurm_cluster.sh needs root")
+            pairs = max(int(os.environ.get("SLURM_TEST_PAIRS", 4)), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))
+            started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=900,
+                                     env=dict(os.environ, SLURM_TEST_PAIRS=str(pairs)))
+            if started.returncode != 0:
+                unavailable(f"tests/slurm_cluster.sh start failed:\n{started.stderr}")
+            STARTED_BY.write_text(os.environ["DDPL_TEST_RUN"])
+    shown = subprocess.run(["scontrol", "show", "hostnames", subprocess.run(
+        ["sinfo", "-h", "-p", SLURM_PARTITION, "-o", "%N"], capture_output=True, text=True).stdout.strip()],
+        capture_output=True, text=True)
+    if shown.stdout.split() != SLURM_NODES:
+        pytest.fail(f"worker {WORKER} needs partition {SLURM_PARTITION} on nodes {SLURM_NODES}, the cluster has "
+                    f"{shown.stdout.split() or 'none'}: restart it with SLURM_TEST_PAIRS of at least the workers")
+    os.environ["SBATCH_PARTITION"] = SLURM_PARTITION  # sbatch's default partition, also submitit's
 
 
 @pytest.fixture(scope="session")
@@ -217,6 +284,20 @@ def shared(tmp_path_factory, worker_id):
                 result.write_bytes(pickle.dumps(compute(folder)))
         return pickle.loads(result.read_bytes())
     return once
+
+
+class SharedRuns:
+    """runs[key]: the run that compute(folder, key) makes (compute(folder)[key] without keys), made once for the
+    whole session (shared) by the first test that reads it, when it reads it: a test that compares its own job
+    with such a run at its end runs its job first instead of waiting for the run, and the runs of several keys are
+    made at the same time on several workers."""
+    def __init__(self, shared, name, compute, keys=False):
+        self.shared, self.name, self.compute, self.keys = shared, name, compute, keys
+
+    def __getitem__(self, key):
+        if not self.keys:
+            return self.shared(self.name, self.compute)[key]
+        return self.shared(f"{self.name}-{key}", lambda folder: self.compute(folder, key))
 
 
 @pytest.fixture(scope="session")

@@ -127,6 +127,8 @@ def preempted(command, scratch, log_of):
     Returns the transcript: each command and what it printed, the job's log, and what sacct recorded."""
     if subprocess.run(["bash", str(REPO / "tests" / "slurm_cluster.sh"), "status"], capture_output=True).returncode:
         raise RuntimeError("the test cluster is not running: sudo tests/slurm_cluster.sh start")
+    # The Slurm commands find the test cluster by its slurm.conf, in its folder (tests/slurm_cluster.sh).
+    os.environ["SLURM_CONF"] = f"{os.environ.get('SLURM_TEST_DIR', '/tmp/ddp-ladder-slurm')}/slurm.conf"
     for _ in range(3):
         (scratch / "ckpt.pt").unlink(missing_ok=True)
         launcher = subprocess.Popen(command, shell=True, cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,33 +1,58 @@
 #!/usr/bin/env bash
-# A real two-node Slurm cluster on this one machine, for the tests and for trying the ladder
+# A real Slurm cluster of several nodes on this one machine, for the tests and for trying the ladder
 # without a cluster.
 #
 #   sudo tests/slurm_cluster.sh start     # install what is missing, start munged, MariaDB, slurmdbd, slurmctld,
-#                                         # slurmd n1 and n2
-#   sbatch 05_ddp_slurm/submit.sh ...      # then use it like any cluster (see the README)
+#                                         # and a slurmd for each node (n1 to n8)
+#   export SLURM_CONF=/tmp/ddp-ladder-slurm/slurm.conf   # what start prints: the Slurm commands find the cluster
+#   sbatch 05_ddp_slurm/submit.sh ...      # then use it like any cluster (see tests/README.md)
 #   sudo tests/slurm_cluster.sh stop      # stop exactly what start started and undo its changes
 #   tests/slurm_cluster.sh status
 #
-# Each slurmd runs in a network namespace of its own (hostnames n1 and n2, addresses on a private
-# bridge that exists only on this machine), so MASTER_ADDR resolution and cross-node rendezvous
-# are exercised as on a real cluster. Accounting works as at real sites: slurmctld records every job
-# through slurmdbd in a MariaDB server of its own, so sacct (and submitit, which polls it) sees the
-# jobs. Needs root: namespaces, apt-get and /etc/slurm/slurm.conf.
-# State, logs and the database live in $SLURM_TEST_DIR (default /tmp/ddp-ladder-slurm). Start adds two
-# lines to /etc/hosts and installs /etc/slurm/slurm.conf (saving any existing one); stop undoes both,
-# stops the daemons by the PIDs that start recorded, never by name, and removes $SLURM_TEST_DIR.
+# Each slurmd runs in a network namespace of its own (its own hostname and address on a private bridge that
+# exists only on this machine), so MASTER_ADDR resolution and cross-node rendezvous are exercised as on a real
+# cluster. The nodes come in pairs, each pair with partitions of its own: low (the default) and high on n1 and
+# n2, low1 and high1 on n3 and n4, and so on. A job of a high partition preempts the jobs of its pair's low one
+# and no other, so that the tests can run side by side, each on its own pair (tests/README.md). Every node
+# declares 4 GPUs as Slurm gres (character devices that stand in for them), as a GPU cluster's nodes do; a job
+# that asks for none (--gpus-per-node=0) runs as on a CPU cluster. Accounting works as at real sites:
+# slurmctld records every job through slurmdbd in a MariaDB server of its own, so sacct (and submitit, which
+# polls it) sees the jobs. Needs root: namespaces, apt-get and /etc/hosts.
+#
+# Everything it names can be changed, so that two clusters can run side by side on one machine (a second one:
+# SLURM_TEST_DIR=/tmp/c2 SLURM_TEST_NAME=c2 SLURM_TEST_SUBNET=10.214.0 SLURM_TEST_NODE_PREFIX=m
+# SLURM_TEST_PORT=17817):
+#   SLURM_TEST_DIR          state, logs, the database and slurm.conf (default /tmp/ddp-ladder-slurm); the Slurm
+#                           commands find the cluster through SLURM_CONF=$SLURM_TEST_DIR/slurm.conf, and
+#                           /etc/slurm is left alone
+#   SLURM_TEST_NAME         prefix of the bridge (NAME-br0), the namespaces and their links (NAME-NODE); default
+#                           ddpl
+#   SLURM_TEST_SUBNET       private /24 of the bridge (default 10.213.0); change it if it clashes with yours
+#   SLURM_TEST_NODE_PREFIX  the nodes' names: PREFIX1, PREFIX2, ... (default n)
+#   SLURM_TEST_PAIRS        pairs of nodes (default 4: 8 nodes), one for each test that runs at the same time
+#   SLURM_TEST_PORT         slurmctld's port; slurmdbd takes PORT + 2 and MariaDB PORT + 3 (default 16817)
+# Start adds a line per node to /etc/hosts, marked with SLURM_TEST_DIR; stop removes those lines only, stops the
+# daemons by the PIDs that start recorded, never by name, and removes $SLURM_TEST_DIR.
 set -Eeuo pipefail  # -E: the ERR trap of start also fires inside the functions it calls
 
 STATE=${SLURM_TEST_DIR:-/tmp/ddp-ladder-slurm}
-SUBNET=${SLURM_TEST_SUBNET:-10.213.0}  # private /24 for the bridge; change it if it clashes with yours
-BRIDGE=ddpl-br0
-NODES=(n1 n2)
+NAME=${SLURM_TEST_NAME:-ddpl}
+SUBNET=${SLURM_TEST_SUBNET:-10.213.0}
+BRIDGE=$NAME-br0
+NODE_PREFIX=${SLURM_TEST_NODE_PREFIX:-n}
+PAIRS=${SLURM_TEST_PAIRS:-4}
+NODES=()
+for ((i = 1; i <= 2 * PAIRS; i++)); do NODES+=("$NODE_PREFIX$i"); done
+# 2 CPUs a node, the machine's own two: tasks are bound to cores (task/affinity), so a node cannot declare cores
+# the machine does not have. Every node's jobs share those two cores.
 CPUS_PER_NODE=2
-DBD_PORT=16819  # slurmdbd, beside slurmctld's 16817 (the defaults 6817-6819 stay free for a site's own Slurm)
-DB_PORT=16820   # MariaDB, on 127.0.0.1 only (not the default 3306, which a system MariaDB may hold)
-MARK="# ddp-ladder test cluster"
-CONF=/etc/slurm/slurm.conf
-GPUS_PER_NODE=4  # Slurm gres of each node, stood in for by device files (write_gres)
+GPUS_PER_NODE=4
+CTLD_PORT=${SLURM_TEST_PORT:-16817}  # the defaults 6817-6819 stay free for a site's own Slurm
+DBD_PORT=$((CTLD_PORT + 2))          # slurmdbd
+DB_PORT=$((CTLD_PORT + 3))           # MariaDB, on 127.0.0.1 only (not 3306, which a system MariaDB may hold)
+MARK="# ddp-ladder Slurm test cluster ($STATE)"  # on its lines in /etc/hosts: ends with the folder
+CONF=$STATE/slurm.conf
+export SLURM_CONF=$CONF  # for this script's own sinfo, squeue, scancel and sacctmgr
 
 log() { echo "slurm_cluster: $*" >&2; }
 # Exits with the message; during a start, first undoes what the start did (as its ERR trap does).
@@ -59,13 +84,13 @@ spawn() {
 }
 
 write_conf() {
-  local host node i=0
+  local host node nodes i=0
   host=$(hostname -s)
   cat >"$STATE/slurm.conf" <<EOF
-$MARK: written by tests/slurm_cluster.sh; stop restores the previous file
+$MARK: written by tests/slurm_cluster.sh
 ClusterName=ddpladder
 SlurmctldHost=$host($SUBNET.1)
-SlurmctldPort=16817
+SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -110,33 +135,31 @@ AccountingStoragePass=$STATE/munge/munge.socket
 # the site measured in issue 14: a stop, its save and a slow rank's exit fit in it on a loaded machine (10 did not).
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
+# Every node has GPUS_PER_NODE GPUs as a GPU cluster's nodes declare them (gres.conf names their devices).
 GresTypes=gpu
 EOF
   for node in "${NODES[@]}"; do
     i=$((i + 1))
-    echo "NodeName=$node NodeAddr=$SUBNET.$((10 + i)) Port=$((17000 + i)) CPUs=$CPUS_PER_NODE Gres=gpu:$GPUS_PER_NODE" \
-      "State=UNKNOWN" \
-      >>"$STATE/slurm.conf"
+    echo "NodeName=$node NodeAddr=$SUBNET.$((10 + i)) Port=$((17000 + i)) CPUs=$CPUS_PER_NODE" \
+      "Gres=gpu:$GPUS_PER_NODE State=UNKNOWN" >>"$STATE/slurm.conf"
   done
-  local nodes
-  nodes=$(IFS=,; echo "${NODES[*]}")
-  echo "PartitionName=low Nodes=$nodes Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 State=UP" \
-    >>"$STATE/slurm.conf"
-  echo "PartitionName=high Nodes=$nodes PriorityTier=2 PreemptMode=OFF State=UP" >>"$STATE/slurm.conf"
-}
-
-# GPUs as Slurm gres, as on a GPU cluster, without one: character devices (those of /dev/null) stand in for
-# /dev/nvidiaN, so that Slurm counts them and sets SLURM_GPUS_ON_NODE and CUDA_VISIBLE_DEVICES for each task by
-# its layout (no cgroups here: each task sees the node's own indices). slurmd reads gres.conf beside slurm.conf.
-write_gres() {
-  local i
-  mkdir -p "$STATE/gpus"
-  for ((i = 0; i < GPUS_PER_NODE; i++)); do mknod "$STATE/gpus/gpu$i" c 1 3; done
-  if [[ -e ${CONF%/*}/gres.conf ]] && ! grep -q "$MARK" "${CONF%/*}/gres.conf"; then
-    cp -p "${CONF%/*}/gres.conf" "$STATE/gres.conf.orig"
-  fi
-  printf '%s\n' "$MARK: written by tests/slurm_cluster.sh; stop restores the previous file" \
-    "Name=gpu File=$STATE/gpus/gpu[0-$((GPUS_PER_NODE - 1))]" >"${CONF%/*}/gres.conf"
+  # Each pair of nodes has its own partitions: its high one preempts its low one and no other. The first pair's
+  # are called low (the cluster's default) and high, the others' low1, high1, low2, ...
+  local pair suffix default
+  for ((pair = 0; pair < PAIRS; pair++)); do
+    if ((pair == 0)); then suffix="" default=" Default=YES"; else suffix=$pair default=""; fi
+    nodes=${NODES[2 * pair]},${NODES[2 * pair + 1]}
+    echo "PartitionName=low$suffix Nodes=$nodes$default PriorityTier=1 PreemptMode=REQUEUE GraceTime=30" \
+      "State=UP" >>"$STATE/slurm.conf"
+    echo "PartitionName=high$suffix Nodes=$nodes PriorityTier=2 PreemptMode=OFF State=UP" >>"$STATE/slurm.conf"
+  done
+  # The GPUs: character devices with /dev/null's numbers stand in for /dev/nvidia0-3 (slurmd only checks that
+  # they exist; no cgroup fences them off here).
+  for ((i = 0; i < GPUS_PER_NODE; i++)); do
+    [[ -e $STATE/gpu$i ]] || mknod "$STATE/gpu$i" c 1 3
+  done
+  echo "$MARK: written by tests/slurm_cluster.sh" >"$STATE/gres.conf"
+  echo "Name=gpu File=$STATE/gpu[0-$((GPUS_PER_NODE - 1))]" >>"$STATE/gres.conf"
 }
 
 # slurmdbd reads slurmdbd.conf from the folder of $SLURM_CONF, so it stays in $STATE and /etc/slurm gets no
@@ -210,13 +233,13 @@ cluster_registered() {
 remove_network() {
   local node
   for node in "${NODES[@]}"; do
-    ip netns del "ddpl-$node" 2>/dev/null || true
-    ip link del "ddpl-$node" 2>/dev/null || true  # the veth pair, if a process still holds the namespace
+    ip netns del "$NAME-$node" 2>/dev/null || true
+    ip link del "$NAME-$node" 2>/dev/null || true  # the veth pair, if a process still holds the namespace
   done
   ip link del "$BRIDGE" 2>/dev/null || true
-  if grep -q "$MARK" /etc/hosts; then
+  if grep -qF "$MARK" /etc/hosts; then
     # /etc/hosts may be a bind mount: rewrite it in place instead of replacing the file.
-    grep -v "$MARK" /etc/hosts >"$STATE/hosts.new" || true
+    grep -vF "$MARK" /etc/hosts >"$STATE/hosts.new" || true
     cat "$STATE/hosts.new" >/etc/hosts
     rm -f "$STATE/hosts.new"
   fi
@@ -230,18 +253,18 @@ setup_network() {
   ip link set "$BRIDGE" up
   for node in "${NODES[@]}"; do
     i=$((i + 1))
-    ip netns add "ddpl-$node"
-    ip link add "ddpl-$node" type veth peer name eth0 netns "ddpl-$node"
-    ip link set "ddpl-$node" master "$BRIDGE" up
-    ip -n "ddpl-$node" addr add "$SUBNET.$((10 + i))/24" dev eth0
-    ip -n "ddpl-$node" link set eth0 up
-    ip -n "ddpl-$node" link set lo up
+    ip netns add "$NAME-$node"
+    ip link add "$NAME-$node" type veth peer name eth0 netns "$NAME-$node"
+    ip link set "$NAME-$node" master "$BRIDGE" up
+    ip -n "$NAME-$node" addr add "$SUBNET.$((10 + i))/24" dev eth0
+    ip -n "$NAME-$node" link set eth0 up
+    ip -n "$NAME-$node" link set lo up
     echo "$SUBNET.$((10 + i)) $node $MARK" >>/etc/hosts
   done
 }
 
 start() {
-  [[ $EUID == 0 ]] || die "needs root (network namespaces, apt-get, /etc/slurm/slurm.conf)"
+  [[ $EUID == 0 ]] || die "needs root (network namespaces, apt-get, /etc/hosts)"
   [[ -d $STATE/pids ]] && { log "a previous cluster is recorded in $STATE: stopping it first"; stop; }
   install_packages
   mkdir -p "$STATE"/{pids,log,ctld,munge} "${NODES[@]/#/$STATE/spool/}"
@@ -253,10 +276,6 @@ start() {
     --pid-file="$STATE/munge/munged.pid" --log-file="$STATE/munge/munged.log" \
     --seed-file="$STATE/munge/munged.seed"
   write_conf
-  if [[ -e $CONF ]] && ! grep -q "$MARK" "$CONF"; then cp -p "$CONF" "$STATE/slurm.conf.orig"; fi
-  mkdir -p "$(dirname "$CONF")"
-  cp "$STATE/slurm.conf" "$CONF"
-  write_gres
   setup_network
   for _ in $(seq 50); do [[ -S $STATE/munge/munge.socket ]] && break; sleep 0.1; done
   [[ -S $STATE/munge/munge.socket ]] || die "munged did not start: $(cat "$STATE/log/munged.out")"
@@ -265,13 +284,13 @@ start() {
   password=$(head -c 24 /dev/urandom | base64 | tr -dc A-Za-z0-9)
   start_database "$password"
   write_dbd_conf "$password"
-  spawn slurmdbd env SLURM_CONF="$STATE/slurm.conf" slurmdbd -D
+  spawn slurmdbd slurmdbd -D
   wait_until "slurmdbd (see $STATE/log/slurmdbd.log)" timeout 5 sacctmgr -n show cluster
   spawn slurmctld slurmctld -D -f "$CONF"
   for node in "${NODES[@]}"; do
     # nsenter joins the node's network namespace, unshare gives it its own hostname; both exec,
     # so the recorded PID is slurmd's own.
-    spawn "slurmd-$node" nsenter --net="/run/netns/ddpl-$node" unshare --uts -- \
+    spawn "slurmd-$node" nsenter --net="/run/netns/$NAME-$node" unshare --uts -- \
       sh -c "hostname $node && exec slurmd -D -N $node -f $CONF"
   done
   local states=""
@@ -281,6 +300,7 @@ start() {
       wait_until "the cluster's registration in slurmdbd" cluster_registered
       trap - ERR
       log "up: $states"
+      log "for the Slurm commands: export SLURM_CONF=$CONF"
       return
     fi
     sleep 0.2
@@ -335,16 +355,6 @@ stop() {
   fi
   mkdir -p "$STATE"
   remove_network
-  if [[ -f $STATE/slurm.conf.orig ]]; then
-    cp -p "$STATE/slurm.conf.orig" "$CONF"
-  elif [[ -f $CONF ]] && grep -q "$MARK" "$CONF"; then
-    rm -f "$CONF"
-  fi
-  if [[ -f $STATE/gres.conf.orig ]]; then
-    cp -p "$STATE/gres.conf.orig" "${CONF%/*}/gres.conf"
-  elif [[ -f ${CONF%/*}/gres.conf ]] && grep -q "$MARK" "${CONF%/*}/gres.conf"; then
-    rm -f "${CONF%/*}/gres.conf"
-  fi
   if [[ ${KEEP_LOGS:-0} == 1 ]]; then rm -rf "$STATE/pids"; else rm -rf "$STATE"; fi
   log "stopped"
 }

@@ -182,7 +182,6 @@ def test_the_seed_repeats_the_random_numbers(copies):
 
 
 @pytest.mark.slurm
-@pytest.mark.xdist_group("slurm")
 def test_a_copied_05_trains_on_slurm(slurm, project, copies, tmp_path):
     """05 copied alone into a project, submitted from its root with its own submit.sh on two nodes, one task and
     one data-loader worker each (started by forkserver): the weights of 01."""

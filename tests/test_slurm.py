@@ -14,41 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, max_abs_diff,
-                      read_line, submitit_logs, wait_for, weights)
+from conftest import (REPO, SLURM_HIGH, SLURM_NODES, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, SharedRuns,
+                      batch_args, child_env, max_abs_diff, read_line, slurm, submitit_logs,  # noqa: F401 (slurm:
+                      wait_for, weights)  # a fixture, here for the modules that import it from this one)
 from test_failures import ended_or_told_to
 from test_preemption import SITECUSTOMIZE, hold_env
 
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
-CLUSTER = REPO / "tests" / "slurm_cluster.sh"
+pytestmark = pytest.mark.slurm  # on this worker's own pair of nodes (conftest.py), beside the other workers
 LAYOUTS = {"1x2": (1, 2), "2x1": (2, 1)}  # nodes x tasks per node
 NODE_CPUS = 2  # what slurm_cluster.sh gives each node. Tasks are bound to cores, and both nodes share this
 # machine's two, so a job asks for all of a node's cores (split among its tasks): 2 x 1 on one core would halve it.
 # --workers left to the launchers (half a task's cores: one worker and one thread with 2 cores), so that a run
 # that passes the same --workers has the same threads and the same weights to the last bit.
 TRAIN_ARGS = [*SYNTHETIC[:2], *batch_args("05_ddp_slurm")]
-
-
-@pytest.fixture(scope="session")
-def slurm():
-    """A running cluster: the one already up (left running), or one started here and stopped after."""
-    def unavailable(reason):
-        if os.environ.get("REQUIRE_SLURM") == "1":  # CI: a skipped Slurm test would be a silent pass
-            pytest.fail(f"REQUIRE_SLURM=1 but {reason}")
-        pytest.skip(f"no local Slurm cluster: {reason}")
-
-    if subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True).returncode == 0:
-        yield
-        return
-    if os.geteuid() != 0:
-        unavailable("tests/slurm_cluster.sh needs root")
-    started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True, timeout=900)
-    if started.returncode != 0:
-        unavailable(f"tests/slurm_cluster.sh start failed:\n{started.stderr}")
-    try:
-        yield
-    finally:
-        subprocess.run(["bash", str(CLUSTER), "stop"], capture_output=True, timeout=120)
 
 
 # Records the cores of every training process and data-loader worker of a job (test_slurm_cores.py).
@@ -156,36 +134,33 @@ def finish(proc, timeout):
     return proc.returncode
 
 
-def check_job_log(log, nodes, tasks, epochs):
-    """One epoch line per epoch; one launch line per rank, on the nodes asked for; one rendezvous."""
+def check_job_log(log, nodes, tasks, epochs, pair=SLURM_NODES):
+    """One epoch line per epoch; one launch line per rank, on the first nodes of the pair that ran the job (this
+    worker's, or, for a shared run, that of the worker that made it); one rendezvous."""
     result = Result(0, log, "", 0)
     assert [int(e["epoch"]) for e in result.epochs()] == list(range(1, epochs + 1)), log
     launches = result.launches()  # (rank, world, local rank, host, pid, device, backend, addr, port)
     assert sorted(int(launch[0]) for launch in launches) == list(range(nodes * tasks)), log
-    assert {launch[3] for launch in launches} == {f"n{i + 1}" for i in range(nodes)}, log
-    assert len({(launch[7], launch[8]) for launch in launches}) == 1 and launches[0][7] == "n1", log
+    assert {launch[3] for launch in launches} == set(pair[:nodes]), log
+    assert len({(launch[7], launch[8]) for launch in launches}) == 1 and launches[0][7] == pair[0], log
     return launches
 
 
 @pytest.fixture(scope="session")
-def submit_sh_runs(slurm, reference, shared):
-    """Each layout once, two epochs without interruption: the twins of the interrupted jobs below. The 2 x 1 job
-    also records its processes' cores (test_slurm_cores.py)."""
-    def compute(folder):
-        runs = {}
-        for layout, (nodes, tasks) in LAYOUTS.items():
-            (folder / layout).mkdir()
-            env = cores_env(folder / layout) if layout == "2x1" else {}
-            start = time.monotonic()
-            proc = sbatch_05(folder / layout, nodes, tasks, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint",
-                                                             f"{folder}/{layout}/ckpt.pt"], env=env)
-            job_id = job_id_of(proc)
-            code = finish(proc, 180)
-            runs[layout] = dict(code=code, job_id=job_id, log=read(f"{folder}/{layout}/ddp-slurm-{job_id}.out"),
-                                checkpoint=folder / layout / "ckpt.pt", seconds=time.monotonic() - start,
-                                cores_log=env.get("TEST_CORES_LOG"))
-        return runs
-    return shared("submit-sh-runs", compute)
+def submit_sh_runs(slurm, shared):
+    """runs[layout]: two epochs without interruption, the twins of the interrupted jobs below, each made when a
+    test first reads it (SharedRuns). The 2 x 1 job also records its processes' cores (test_slurm_cores.py)."""
+    def compute(folder, layout):
+        env = cores_env(folder) if layout == "2x1" else {}
+        start = time.monotonic()
+        proc = sbatch_05(folder, *LAYOUTS[layout], [*TRAIN_ARGS, "--epochs", "2", "--checkpoint",
+                                                    f"{folder}/ckpt.pt"], env=env)
+        job_id = job_id_of(proc)
+        code = finish(proc, 180)
+        return dict(code=code, job_id=job_id, log=read(f"{folder}/ddp-slurm-{job_id}.out"), pair=SLURM_NODES,
+                    checkpoint=folder / "ckpt.pt", seconds=time.monotonic() - start,
+                    cores_log=env.get("TEST_CORES_LOG"))
+    return SharedRuns(shared, "submit-sh", compute, keys=True)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -193,7 +168,7 @@ def test_submit_sh(submit_sh_runs, reference, layout):
     run = submit_sh_runs[layout]
     print(f"sbatch --wait 05_ddp_slurm/submit.sh on {layout}: {run['seconds']:.1f} s")
     assert run["code"] == 0, run["log"]
-    launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
+    launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2, pair=run["pair"])
     assert int(launches[0][8]) == 20000 + run["job_id"] % 12000  # where the search for a free port starts
     assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
     assert accounted_runs(run["job_id"]) == ["COMPLETED"]  # what the site's accounting keeps of it
@@ -247,8 +222,9 @@ def scontrol_that_restores_the_time_limit(folder, minutes):
 
 
 def high_job():
-    """A job of the partition high that needs all of both nodes for 2 s: it preempts what runs there."""
-    done = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=2", "--ntasks-per-node=1",
+    """A job of this worker's partition high that needs all of both its nodes for 2 s: it preempts what runs
+    there, the test's own job, and nothing of the other workers."""
+    done = subprocess.run(["sbatch", "--parsable", f"--partition={SLURM_HIGH}", "--nodes=2", "--ntasks-per-node=1",
                            f"--cpus-per-task={NODE_CPUS}", "--time=5", "--output=/dev/null", "--wrap", "sleep 2"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
@@ -432,20 +408,19 @@ def launch_06(log_dir, nodes, tasks, train_args, env=None):
 
 @pytest.fixture(scope="session")
 def submitit_runs(slurm, shared):
-    """Each layout once, two epochs without interruption; the 2 x 1 job also records its processes' cores."""
-    def compute(folder):
-        runs = {}
-        for layout, (nodes, tasks) in LAYOUTS.items():
-            env = cores_env(folder) if layout == "2x1" else {}
-            start = time.monotonic()
-            proc = launch_06(folder / layout, nodes, tasks, [*TRAIN_ARGS, "--epochs", "2",
-                                                             "--checkpoint", f"{folder}/{layout}.pt"], env=env)
-            code = finish(proc, 180)
-            runs[layout] = dict(code=code, out=proc.stdout.read(), err=proc.stderr.read(),
-                                log=submitit_logs(folder / layout), checkpoint=folder / f"{layout}.pt",
-                                seconds=time.monotonic() - start, cores_log=env.get("TEST_CORES_LOG"))
-        return runs
-    return shared("submitit-runs", compute)
+    """runs[layout]: two epochs without interruption, made when a test first reads it (SharedRuns); the 2 x 1 job
+    also records its processes' cores."""
+    def compute(folder, layout):
+        env = cores_env(folder) if layout == "2x1" else {}
+        start = time.monotonic()
+        proc = launch_06(folder / "logs", *LAYOUTS[layout], [*TRAIN_ARGS, "--epochs", "2",
+                                                             "--checkpoint", f"{folder}/ckpt.pt"], env=env)
+        code = finish(proc, 180)
+        return dict(code=code, out=proc.stdout.read(), err=proc.stderr.read(), log=submitit_logs(folder / "logs"),
+                    pair=SLURM_NODES,
+                    checkpoint=folder / "ckpt.pt", seconds=time.monotonic() - start,
+                    cores_log=env.get("TEST_CORES_LOG"))
+    return SharedRuns(shared, "submitit", compute, keys=True)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -454,7 +429,7 @@ def test_submitit_on_slurm(submitit_runs, reference, layout):
     print(f"06 through submitit's Slurm executor on {layout}: {run['seconds']:.1f} s")
     assert run["code"] == 0, run["out"] + run["log"]
     job_id = int(re.search(r"^submitted job (\d+); logs in \S+", run["out"], re.M).group(1))
-    launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2)
+    launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2, pair=run["pair"])
     assert int(launches[0][8]) == 20000 + job_id % 12000  # the batch script's port search, not submitit's own
     assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
     assert "sacct error" not in run["err"], run["err"]  # submitit's state polling worked: no guessing

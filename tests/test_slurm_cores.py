@@ -18,7 +18,7 @@ from test_slurm import (cores_env, finish, job_id_of, launch_06, read, sbatch_05
                         submit_sh_runs, submitit_runs)  # slurm and the runs)
 from test_slurm_torchrun import Job
 
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+pytestmark = pytest.mark.slurm  # on this worker's own pair of nodes (conftest.py)
 CPUS = 2  # per task, all the cores a node of the test cluster has
 TRAIN_ARGS = ["--dataset", "synthetic", "--batch-size", "32", "--epochs", "1"]  # --workers: the script's choice
 def trainers_and_workers(log_path):

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SYNTHETIC, child_env, read_line, wait_for
+from conftest import REPO, SLURM_NODES, SYNTHETIC, child_env, read_line, wait_for
 from test_slurm import accounted_runs, job_state, read
 
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm")]  # on this worker's pair (conftest.py)
+N1, N2 = SLURM_NODES  # this worker's pair of nodes
 
 FAKE_CUDA = '''
 import os
@@ -83,8 +84,8 @@ def test_05_gives_each_gpu_one_task(tmp_path, layout):
     code, log, gpus, _ = sbatch(tmp_path / "job", "05_ddp_slurm/submit.sh",
                                 ["--ntasks-per-node=2", "--cpus-per-task=1", *LAYOUTS_05[layout]])
     assert code == 0, log
-    assert sorted((host, rank) for host, rank, *_ in gpus) == [("n1", "0"), ("n1", "1"), ("n2", "2"), ("n2", "3")], log
-    assert sorted((host, gpu) for host, _, _, _, gpu, _ in gpus) == [("n1", "0"), ("n1", "1"), ("n2", "0"), ("n2", "1")]
+    assert sorted((host, rank) for host, rank, *_ in gpus) == [(N1, "0"), (N1, "1"), (N2, "2"), (N2, "3")], log
+    assert sorted((host, gpu) for host, _, _, _, gpu, _ in gpus) == [(N1, "0"), (N1, "1"), (N2, "0"), (N2, "1")]
     assert {(visible, index) for _, _, visible, index, _, _ in gpus} == (
         {("0,1", "0"), ("0,1", "1")} if layout == "per-node" else {("0", "0"), ("1", "0")})
     # The checkpoint: by absolute path, under the submit folder, in a folder that submit.sh made on the host.
@@ -105,7 +106,7 @@ def test_04_refuses_nodes_whose_cuda_finds_no_gpu(tmp_path):
     code, log, gpus, seconds = sbatch(tmp_path / "job", "04_ddp_torchrun/submit.sh", ["--cpus-per-task=2"],
                                       fake_cuda=False)
     assert code != 0 and not gpus
-    for node in ("n1", "n2"):
+    for node in (N1, N2):
         assert f"error: {node}: CUDA finds 0 of its 4 GPUs for 4 processes: one process per working GPU" in log, log
     assert "rendezvous" not in log, log  # torchrun never started: the check comes first
 
@@ -114,7 +115,7 @@ def test_05_without_cuda_every_rank_says_so_in_seconds(tmp_path):
     code, log, gpus, seconds = sbatch(tmp_path / "job", "05_ddp_slurm/submit.sh",
                                       ["--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=2"], fake_cuda=False)
     assert code != 0 and not gpus, log
-    for rank, node in enumerate(["n1", "n1", "n2", "n2"]):
+    for rank, node in enumerate([N1, N1, N2, N2]):
         assert (f"error: task {rank} on {node}: 2 tasks and 2 GPUs on it, and CUDA sees 0 (CUDA_VISIBLE_DEVICES=0,1): "
                 "run one task per GPU") in log, log
     assert "local_rank" not in log, log  # no rank joined the process group, nor trained on the CPU
@@ -129,7 +130,7 @@ def test_05_refuses_tasks_that_do_not_match_the_gpus(tmp_path, gpus_per_node):
                                  *([] if gpus_per_node == 4 else ["--gpus-per-node=1"])])
     assert code != 0 and not gpus, log
     visible = ",".join(map(str, range(gpus_per_node)))
-    for rank, node in enumerate(["n1", "n1", "n2", "n2"]):
+    for rank, node in enumerate([N1, N1, N2, N2]):
         assert (f"error: task {rank} on {node}: 2 tasks and {gpus_per_node} GPUs on it, and CUDA sees {gpus_per_node} "
                 f"(CUDA_VISIBLE_DEVICES={visible}): run one task per GPU") in log, log
 

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from conftest import (GLOBAL_BATCH, REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, child_env, max_abs_diff,
-                      wait_for, weights)
+from conftest import (GLOBAL_BATCH, REPO, SLURM_NODES, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, SharedRuns,
+                      child_env, max_abs_diff, wait_for, weights)
 from test_preemption import hold_env
 from test_slurm import job_id_of, job_state, read, site_env, slurm, squeue  # noqa: F401 (slurm: a fixture)
 
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+pytestmark = pytest.mark.slurm  # on this worker's own pair of nodes (conftest.py)
 NODES, NPROC = 2, 2  # what submit.sh gives a CPU node: two processes
 TRAIN_ARGS = [*SYNTHETIC, "--batch-size", str(GLOBAL_BATCH // (NODES * NPROC))]
 RENDEZVOUS = re.compile(r"^job (\d+) restart (\d+): .* rendezvous (\S+):(\d+)$", re.M)
@@ -60,11 +60,12 @@ def rounds(log):
     return [launches[i:i + NODES * NPROC] for i in range(0, len(launches), NODES * NPROC)]
 
 
-def check_round(launches, log):
-    """Ranks 0-3 once each, two per node with local ranks 0 and 1, one master address for all."""
+def check_round(launches, log, pair=SLURM_NODES):
+    """Ranks 0-3 once each, two per node (of the pair that ran the job) with local ranks 0 and 1, one master
+    address for all."""
     assert sorted(int(launch[0]) for launch in launches) == list(range(NODES * NPROC)), log
     assert {int(launch[1]) for launch in launches} == {NODES * NPROC}, log
-    for host in ("n1", "n2"):
+    for host in pair:
         assert sorted(int(launch[2]) for launch in launches if launch[3] == host) == [0, 1], log
     assert len({(launch[7], launch[8]) for launch in launches}) == 1, log
 
@@ -85,27 +86,30 @@ def check_weights(checkpoint, uninterrupted, reference, what):
 
 
 @pytest.fixture(scope="session")
-def torchrun_run(slurm, tmp_path_factory):
-    """2 nodes x 2 processes, two epochs without interruption: the reference of the other tests here."""
-    folder = tmp_path_factory.mktemp("torchrun_2x2")
-    start = time.monotonic()
-    job = Job(folder, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"])
-    code = job.finish(180)
-    return dict(code=code, job=job, log=job.log(), checkpoint=folder / "ckpt.pt", seconds=time.monotonic() - start)
+def torchrun_run(slurm, shared):
+    """2 nodes x 2 processes, two epochs without interruption: the reference of the other tests here, made once
+    for the whole session when a test first reads it (SharedRuns)."""
+    def compute(folder):
+        start = time.monotonic()
+        job = Job(folder, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"])
+        code = job.finish(180)
+        return dict(code=code, job_id=job.id, details=job.details(), log=job.log(), checkpoint=folder / "ckpt.pt",
+                    seconds=time.monotonic() - start, pair=SLURM_NODES)  # the nodes of the worker that made it
+    return SharedRuns(shared, "torchrun-2x2", compute)
 
 
 def test_submit_sh_one_torchrun_per_node(torchrun_run, reference):
     """Four ranks over n1 and n2 from one c10d rendezvous on the first node; the weights of 01 at the same
     global batch."""
-    run = torchrun_run
+    run = {key: torchrun_run[key] for key in ("code", "job_id", "details", "log", "checkpoint", "seconds", "pair")}
     log = run["log"]
-    assert run["code"] == 0, run["job"].details()
+    assert run["code"] == 0, run["details"]
     (launches,) = rounds(log)  # one round: no restart
-    check_round(launches, log)
+    check_round(launches, log, run["pair"])
     job_id, restart, host, port = RENDEZVOUS.search(log).groups()
-    assert (int(job_id), restart, host) == (run["job"].id, "0", "n1"), log
+    assert (int(job_id), restart, host) == (run["job_id"], "0", run["pair"][0]), log
     assert 20000 <= int(port) < 32000, log
-    assert launches[0][7] == "n1", log  # node rank 0, and so the workers' master, is on n1
+    assert launches[0][7] == run["pair"][0], log  # node rank 0, and so the workers' master, is on the first node
     assert epoch_lines(log) == [1, 2], log
     diff = max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2))
     print(f"04 submit.sh on 2 nodes x 2 processes: {run['seconds']:.1f} s, max abs diff to 01: {diff:.2e}")
@@ -148,7 +152,7 @@ def test_killed_worker_restarts_the_round_on_both_nodes(slurm, torchrun_run, ref
     assert job.finish(180) == 0, job.details()
     log = job.log()
     print(f"04 worker killed and restarted: {time.monotonic() - start:.1f} s")
-    assert killed["host"] == "n2", log
+    assert killed["host"] == SLURM_NODES[1], log
     first, second = rounds(log)  # exactly two rounds: the first one and its restart
     check_round(first, log)
     check_round(second, log)
