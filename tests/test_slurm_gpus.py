@@ -97,7 +97,7 @@ def test_05_gives_each_gpu_one_task(tmp_path, layout):
 def test_04_starts_one_process_per_gpu_with_its_lines_as_shipped(tmp_path):
     code, log, gpus, _ = sbatch(tmp_path / "job", "04_ddp_torchrun/submit.sh", ["--cpus-per-task=2"])
     assert code == 0, log
-    assert sorted((host, gpu) for host, _, _, _, gpu, _ in gpus) == [(f"n{n}", str(g)) for n in (1, 2) for g in range(4)]
+    assert sorted((host, gpu) for host, _, _, _, gpu, _ in gpus) == [(node, str(g)) for node in (N1, N2) for g in range(4)]
     assert sorted(int(rank) for _, rank, *_ in gpus) == list(range(8)), log
     assert "4 processes per node" in log
 
@@ -141,8 +141,9 @@ def test_scancel_signal_usr2_reaches_the_tasks_and_with_batch_or_full_kills_the_
     turns into a save and a requeue); with -b or --full it also signals the batch shell, which dies of it (the
     job FAILED on signal 12: no requeue). A site template's `--signal=B:USR2@...` is the same as -b."""
     script = tmp_path / "job.sh"
-    script.write_text("#!/bin/bash\nsrun bash -c 'trap \"echo task: SIGUSR2; exit 0\" USR2; echo task: started; "
-                      "sleep 60 & wait'\necho \"batch shell: srun returned $?\"\n")
+    # The task's trap writes a file of its own: its echo, forwarded by slurmstepd as the task exits, can be lost.
+    script.write_text(f"#!/bin/bash\nsrun bash -c 'trap \"echo SIGUSR2 > {tmp_path}/task-signal; exit 0\" USR2; "
+                      "echo task: started; sleep 60 & wait'\necho \"batch shell: srun returned $?\"\n")
     done = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--cpus-per-task=1", "--time=2",
                            f"--output={tmp_path}/%j.out", str(script)], capture_output=True, text=True, timeout=30)
     job_id = int(done.stdout.strip())
@@ -151,7 +152,8 @@ def test_scancel_signal_usr2_reaches_the_tasks_and_with_batch_or_full_kills_the_
     subprocess.run(["scancel", "--signal=USR2", *flags, str(job_id)], check=True, timeout=30)
     states = accounted_runs(job_id)
     if not flags:
-        assert states == ["COMPLETED"] and "task: SIGUSR2\nbatch shell: srun returned 0" in read(log), read(log)
+        assert states == ["COMPLETED"] and "batch shell: srun returned 0" in read(log), read(log)
+        assert read(tmp_path / "task-signal") == "SIGUSR2\n"  # the task had the signal, and left by its trap
     else:
         assert states == ["FAILED"] and "batch shell" not in read(log), read(log)
         assert sacct_exit(job_id) == "0:12"  # the batch shell died of SIGUSR2
