@@ -174,12 +174,12 @@ def train(args, device):
     # this run counts them, under another --epochs, --lr or global batch too.
     per_epoch = math.ceil(len(train_loader) / args.accumulate)  # optimizer steps of an epoch
     steps = args.epochs * per_epoch  # of the run
-    trained = position["epoch"] * per_epoch + position.get("step", 0) if position else 0  # before this run
+    steps_done = position["epoch"] * per_epoch + position.get("step", 0) if position else 0  # before this run
     cosine = lambda s: (1 + math.cos(math.pi * min(1, max(0, s / steps - args.warmup) / (1 - args.warmup)))) / 2
     rate = lambda s: min((s + 1) / (args.warmup * steps + 1), cosine(s) if args.cosine else 1)  # times --lr
     for group in optimizer.param_groups:  # the rate's base (a checkpoint saved before the schedule has none)
         group["initial_lr"] = args.lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=trained - 1)  # sets the next step's rate
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=steps_done - 1)  # the next step's rate
     start_epoch = position["epoch"] if position else 0
     if position and position.get("step"):  # saved inside an epoch by 05 or 06, which go on from that step
         sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1}; resume it with the step that wrote "

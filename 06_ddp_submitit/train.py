@@ -56,8 +56,7 @@ def parse_args():
                         help="seconds a collective waits for a rank that stopped answering, then ends the run")
     parser.add_argument("--local", action="store_true", help="run the tasks as processes on this machine")
     parser.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
-    parser.add_argument("--gpus-per-node", type=int,
-                        help="GPUs per node: needed on Slurm (0 for CPU nodes); with --local, this machine's")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node: needed on Slurm (0: CPU nodes), else this machine's")
     parser.add_argument("--tasks-per-node", type=int,
                         help="processes per node: one per GPU (default: --gpus-per-node, or 2 without GPUs)")
     parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per process")
@@ -324,12 +323,12 @@ def train(args, rank, world_size, device):
     # this run counts them, under another --epochs, --lr or global batch too.
     per_epoch = math.ceil(len(train_loader) / args.accumulate)  # optimizer steps of an epoch
     steps = args.epochs * per_epoch  # of the run
-    trained = position["epoch"] * per_epoch + position.get("step", 0) if position else 0  # before this run
+    steps_done = position["epoch"] * per_epoch + position.get("step", 0) if position else 0  # before this run
     cosine = lambda s: (1 + math.cos(math.pi * min(1, max(0, s / steps - args.warmup) / (1 - args.warmup)))) / 2
     rate = lambda s: min((s + 1) / (args.warmup * steps + 1), cosine(s) if args.cosine else 1)  # times --lr
     for group in optimizer.param_groups:  # the rate's base (a checkpoint saved before the schedule has none)
         group["initial_lr"] = args.lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=trained - 1)  # sets the next step's rate
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=steps_done - 1)  # the next step's rate
     start_epoch = position["epoch"] if position else 0
     # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then.
     layout = (world_size * args.batch_size * args.accumulate, args.seed, len(train_set))  # SLURM: a step's samples
@@ -407,10 +406,12 @@ def run(args):
 def main():
     args = parse_args()
     # submitit: the job inherits these from an allocation or torchrun; TorchDistributedEnvironment would take them.
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    stale = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]
+    if args.local:  # an allocation's job and layout, which check_launch would take for those of these tasks
+        stale += ["SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID",
+                  "SLURM_RESTART_COUNT"]
+    for name in stale:
         os.environ.pop(name, None)
-    for name in [name for name in os.environ if args.local and name.startswith("SLURM_")]:  # --local in an allocation:
-        os.environ.pop(name)  # its tasks are not the allocation's (check_launch would read its layout)
     # submitit: Slurm when there is one (or --local: processes here); a new log folder for every launch.
     folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))
     executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None, slurm_python=args.python)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TOLERANCE, child_env, max_abs_diff, run, submitit_logs, weights
-from test_slurm import slurm  # noqa: F401 (a fixture)
 
 USER_CODE = '''
 class ShapesDataset(torch.utils.data.Dataset):

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from conftest import (REPO, SLURM_HIGH, SLURM_NODES, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, SharedRuns,
-                      batch_args, child_env, max_abs_diff, read_line, slurm, submitit_logs,  # noqa: F401 (slurm:
-                      wait_for, weights)  # a fixture, here for the modules that import it from this one)
+                      batch_args, child_env, max_abs_diff, read_line, submitit_logs, wait_for, weights)
 from test_failures import ended_or_told_to
 from test_preemption import SITECUSTOMIZE, hold_env
 

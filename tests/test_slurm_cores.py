@@ -14,8 +14,8 @@ import json
 import pytest
 
 from conftest import TOLERANCE, max_abs_diff, weights
-from test_slurm import (cores_env, finish, job_id_of, launch_06, read, sbatch_05, slurm,  # noqa: F401 (fixtures:
-                        submit_sh_runs, submitit_runs)  # slurm and the runs)
+from test_slurm import (cores_env, finish, job_id_of, launch_06, read, sbatch_05,  # noqa: F401 (the runs:
+                        submit_sh_runs, submitit_runs)  # fixtures)
 from test_slurm_torchrun import Job
 
 pytestmark = pytest.mark.slurm  # on this worker's own pair of nodes (conftest.py)

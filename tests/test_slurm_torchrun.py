@@ -12,7 +12,7 @@ import pytest
 from conftest import (GLOBAL_BATCH, REPO, SLURM_NODES, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, SharedRuns,
                       child_env, max_abs_diff, wait_for, weights)
 from test_preemption import hold_env
-from test_slurm import job_id_of, job_state, read, site_env, slurm, squeue  # noqa: F401 (slurm: a fixture)
+from test_slurm import job_id_of, job_state, read, site_env, squeue
 
 pytestmark = pytest.mark.slurm  # on this worker's own pair of nodes (conftest.py)
 NODES, NPROC = 2, 2  # what submit.sh gives a CPU node: two processes
