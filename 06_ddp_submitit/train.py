@@ -3,9 +3,8 @@
 Run:  python 06_ddp_submitit/train.py --nodes 2 --gpus-per-node 4 --cpus-per-task 8 --epochs 3 --checkpoint ckpt06.pt
       python 06_ddp_submitit/train.py --local --dataset synthetic   (no cluster needed)
 
-Changed since 05: no batch script of ours: this file submits itself through submitit, which writes one
-(with 05's requeue and order of ports, probed in bash), prints the job's log folder and waits for the job, through its
-requeues. submitit runs run() in every task, where TorchDistributedEnvironment sets the rendezvous.
+Changed since 05: no batch script of ours: this file submits itself through submitit, which writes one (05's requeue
+and port search), prints the job's log folder and waits for the job through its requeues; run() runs in every task.
 """
 import argparse
 import math
@@ -56,7 +55,8 @@ def parse_args():
                         help="seconds a collective waits for a rank that stopped answering, then ends the run")
     parser.add_argument("--local", action="store_true", help="run the tasks as processes on this machine")
     parser.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
-    parser.add_argument("--gpus-per-node", type=int, help="GPUs per node: needed on Slurm (0: CPU nodes), else this machine's")
+    parser.add_argument("--gpus-per-node", type=int,
+                        help="GPUs per node: needed on Slurm (0 for CPU nodes); with --local, this machine's")
     parser.add_argument("--tasks-per-node", type=int,
                         help="processes per node: one per GPU (default: --gpus-per-node, or 2 without GPUs)")
     parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per process")
