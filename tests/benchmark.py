@@ -40,7 +40,7 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=64, help="samples per step in each process")
     parser.add_argument("--workers", type=int, help="data-loader workers per process (default: the steps' own, 0)")
     parser.add_argument("--dataset", choices=["synthetic", "mnist"], default="synthetic",
-                        help="synthetic (6000 training images, made in memory) or MNIST read from --data-dir")
+                        help="synthetic (3200 training images, made in memory) or MNIST read from --data-dir")
     parser.add_argument("--data-dir", default="data", help="where MNIST is (it is not downloaded here)")
     parser.add_argument("--prebatched", action="store_true", help=argparse.SUPPRESS)  # the inner loop's process
     args = parser.parse_args()
@@ -65,13 +65,17 @@ def prebatched(args):
     torch.manual_seed(0)
     model = step01.Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1)  # the steps' loop takes one
+    losses = []
     for epoch in range(args.epochs):
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch)).to(device)
         batches = [(images[i], labels[i]) for i in order.split(args.batch_size)]
         start = time.perf_counter()
-        _, samples = step01.train_one_epoch(model, batches, optimizer, device, epoch, 0)  # .item(): synced
+        loss, samples = step01.train_one_epoch(model, batches, optimizer, scheduler, device, epoch, 0, 0, 1, False)
+        losses.append(loss)  # .item() in the loop: the time includes the device's work
         print(f"epoch {epoch + 1}/{args.epochs} | prebatched | {samples / (time.perf_counter() - start):.0f} "
               "samples/s |", flush=True)
+    return losses
 
 
 def free_port():
@@ -143,7 +147,8 @@ def run_one(step, launcher, processes, threads, args, folder):
 def main():
     args = parse_args()
     if args.prebatched:
-        return prebatched(args)
+        prebatched(args)
+        return 0
     gpus, cores = torch.cuda.device_count(), len(os.sched_getaffinity(0))
     device = torch.cuda.get_device_name(0) if gpus else f"CPU, {cores} cores"
     configs = configurations(gpus, cores)
