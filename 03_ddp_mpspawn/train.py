@@ -25,14 +25,12 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 
 def parse_args():
-    class Defaults(argparse.ArgumentDefaultsHelpFormatter):  # --help shows the defaults, but no "None"
-        def _get_help_string(self, action):
-            return action.help if action.default is None else super()._get_help_string(action)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Defaults)  # names the step
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # names the step; --help shows the defaults
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per micro-batch in each process")
     parser.add_argument("--test-batch-size", type=int, default=1000, help="samples per evaluation step in each process")
-    parser.add_argument("--lr", type=float, default=0.01, help="learning rate of SGD with momentum 0.9")
+    parser.add_argument("--lr", type=float, default=0.01, help="peak learning rate (make_optimizer: SGD, momentum 0.9)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
@@ -46,6 +44,8 @@ def parse_args():
     parser.add_argument("--warmup", type=float, default=0, help="fraction of the run in which the rate rises to --lr")
     parser.add_argument("--cosine", action="store_true", help="then let the rate fall along a cosine to 0 at the end")
     parser.add_argument("--amp", action="store_true", help="bf16 autocast (GPUs from Ampere on, real models)")
+    parser.add_argument("--clip-grad", type=float, default=0, metavar="NORM",
+                        help="scale the gradient down to this norm before each optimizer step (0: never)")
     parser.add_argument("--collective-timeout", type=float, default=600,
                         help="seconds a collective waits for a rank that stopped answering, then ends the run")
     parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() or 2,
@@ -56,25 +56,14 @@ def parse_args():
     if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
         parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
                      "at least 0")
-    if not args.lr > 0 or args.accumulate < 1 or not 0 <= args.warmup < 1:
-        parser.error("--lr must be above 0, --accumulate at least 1, --warmup at least 0 and below 1")
+    if not args.lr > 0 or args.accumulate < 1 or not 0 <= args.warmup < 1 or args.clip_grad < 0:
+        parser.error("--lr must be above 0, --accumulate at least 1, --warmup in [0, 1), --clip-grad at least 0")
     if not args.collective_timeout > 0:
         parser.error("--collective-timeout must be above 0 seconds")
     return args
 
 
-def download_mnist(data_dir):
-    """Fetch MNIST into data_dir unless it is there already (torchvision checks the files first)."""
-    from torchvision import datasets  # imported only for MNIST: it takes a second or more
-    try:
-        datasets.MNIST(data_dir, download=True)
-    except (OSError, RuntimeError) as error:  # no internet, as on many compute nodes
-        reason = " ".join(str(error).split())  # torchvision's message spans lines
-        sys.exit(f"error: MNIST is not in {data_dir} and could not be downloaded ({reason}); fetch it where "
-                 f"there is internet: python -c \"from torchvision.datasets import MNIST; MNIST('{data_dir}', "
-                 f"download=True)\", then copy the folder (or use --dataset synthetic)")
-
-
+# Your task replaces these, down to make_optimizer: the data, the model, the loss and metric, the optimizer.
 def load_datasets(args):
     """Returns (train, test): datasets that take one index and return one (image, label), as torchvision's do.
     These two are decoded and normalised into memory once; yours may read each sample from disk instead."""
@@ -84,9 +73,14 @@ def load_datasets(args):
         labels = torch.randint(0, 10, (4_000,), generator=generator)
         images = patterns[labels] + torch.randn(len(labels), 1, 28, 28, generator=generator)
         return TensorDataset(images[:3_200], labels[:3_200]), TensorDataset(images[3_200:], labels[3_200:])
-    download_mnist(args.data_dir)
-    from torchvision import datasets
-    splits = [datasets.MNIST(args.data_dir, train=train) for train in (True, False)]
+    from torchvision import datasets  # imported only for MNIST: it takes a second or more
+    try:  # downloads what --data-dir lacks (torchvision checks the files first)
+        splits = [datasets.MNIST(args.data_dir, train=train, download=True) for train in (True, False)]
+    except (OSError, RuntimeError) as error:  # no internet, as on many compute nodes
+        reason = " ".join(str(error).split())  # torchvision's message spans lines
+        sys.exit(f"error: MNIST is not in {args.data_dir} and could not be downloaded ({reason}); fetch it where "
+                 f"there is internet: python -c \"from torchvision.datasets import MNIST; MNIST('{args.data_dir}', "
+                 f"download=True)\", then copy the folder (or use --dataset synthetic)")
     return [TensorDataset((s.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, s.targets) for s in splits]
 
 
@@ -108,76 +102,103 @@ class Net(nn.Module):
         return self.fc2(F.silu(self.fc1(x.flatten(1))))
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, device, epoch, seed, log_interval, accumulate, amp):
-    """One pass over loader; returns (mean training loss, samples); progress every log_interval steps (0: never)."""
+METRIC = "accuracy"  # the epoch line's name for metric sum / count
+
+
+def loss_and_metric(output, target):
+    """Returns (loss sum, metric sum, count) of a batch: sums over what the loss is a mean of (samples here; tokens,
+    say, for a sequence model), which add up exactly over batches and ranks. Training minimises loss sum / count."""
+    loss = F.cross_entropy(output, target, reduction="sum")
+    return loss, (output.argmax(dim=1) == target).sum(), len(target)
+
+
+def make_optimizer(model, args):
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # per-group rates and AdamW work too
+
+
+def get_lr(step, steps, args):  # the rate of optimizer step `step` of the run's `steps`, times each group's own
+    warmup = args.warmup * steps  # optimizer steps of warm-up; 0 without --warmup
+    if step < warmup:  # rises linearly
+        return (step + 1) / (warmup + 1)
+    if args.cosine:  # then falls along a cosine, to 0 at the end
+        return (1 + math.cos(math.pi * min(1, (step - warmup) / (steps - warmup)))) / 2
+    return 1
+
+
+def train_one_epoch(args, model, loader, optimizer, scheduler, device, epoch):
+    """One pass over loader; returns (mean training loss, samples); progress every --log-interval steps."""
     model.train()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
     logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
-    batches, steps = iter(loader), math.ceil(len(loader) / accumulate)  # iter() draws: before the seeding below
+    batches, steps = iter(loader), math.ceil(len(loader) / args.accumulate)  # iter() draws: before the seeding below
     for step in range(steps):
-        torch.manual_seed(hash((seed, epoch, step)))  # dropout (augmentations too, --workers 0): as if never stopped
-        group = min(accumulate, len(loader) - step * accumulate)  # micro-batches; the epoch's last group may be short
+        # Dropout (augmentations too, --workers 0) draws as if never stopped. Not torch.manual_seed: 0.1 ms a call.
+        torch.default_generator.manual_seed(seed := hash((args.seed, dist.get_rank(), epoch, step)))  # DDP: per rank
+        if device.type == "cuda":
+            torch.cuda.manual_seed_all(seed)  # every GPU's generator (02's replicas draw on all of them)
+        group = min(args.accumulate, len(loader) - step * args.accumulate)  # the epoch's last group may be short
         for micro in range(group):
-            images, labels = (tensor.to(device, non_blocking=True) for tensor in next(batches))
+            inputs, targets = (tensor.to(device, non_blocking=True) for tensor in next(batches))
             with (model.no_sync() if micro < group - 1 else nullcontext(),  # DDP: all-reduce in the last backward only
-                  torch.autocast(device.type, torch.bfloat16, enabled=amp)):  # bf16 where autocast finds it safe
-                loss = F.cross_entropy(model(images), labels)
-            (loss / group).backward()  # the gradients add up to those of the group's mean loss
-            totals[0] += loss.detach() * len(labels)  # stays on the device: no GPU sync per step
-            totals[1] += len(labels)
+                  torch.autocast(device.type, torch.bfloat16, enabled=args.amp)):  # bf16 where autocast finds it safe
+                loss_sum, _, count = loss_and_metric(model(inputs), targets)
+            (loss_sum / count / group).backward()  # the gradients add up to those of the mean of the group's means
+            totals[0] += loss_sum.detach()  # stays on the device: no GPU sync per step
+            totals[1] += count
+            totals[2] += len(inputs)
+        if args.clip_grad:  # the whole step's gradient, after its last backward (DDP: the all-reduced one)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if log_interval and (step + 1) % log_interval == 0:  # one GPU sync per progress line, none between
-            (loss_sum, samples), now = (totals - logged).tolist(), time.perf_counter()
+        if dist.get_rank() == 0 and args.log_interval and (step + 1) % args.log_interval == 0:  # DDP: rank 0 prints
+            (loss_sum, count, samples), now = (totals - logged).tolist(), time.perf_counter()
             # DDP: rank 0's own loss (an average over ranks would take a collective); each rank trains as many.
-            print(f"epoch {epoch + 1} step {step + 1}/{steps} | loss {loss_sum / samples:.4f} "
+            print(f"epoch {epoch + 1} step {step + 1}/{steps} | loss {loss_sum / count:.4f} "
                   f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} samples/s", flush=True)
             logged, logged_at = totals.clone(), now
     dist.all_reduce(totals)  # DDP: sum over ranks, so rank 0 reports the global mean loss
-    return (totals[0] / totals[1]).item(), int(totals[1])
+    return (totals[0] / totals[1]).item(), int(totals[2])
 
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Returns [correct, total] over loader."""
+    """Returns [loss sum, metric sum, count] over loader."""
     model.eval()
-    counts = torch.zeros(2, dtype=torch.int64, device=device)
-    for images, labels in loader:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        counts[0] += (model(images).argmax(dim=1) == labels).sum()
-        counts[1] += len(labels)
-    dist.all_reduce(counts)  # DDP: add up the ranks' disjoint shards
-    return counts.tolist()
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        for i, value in enumerate(loss_and_metric(model(inputs), targets)):
+            sums[i] += value  # on the device: no GPU sync per batch
+    dist.all_reduce(sums)  # DDP: add up the ranks' disjoint shards
+    return sums.tolist()
 
 
-def save_checkpoint(path, model, optimizer, **position):
-    """Write a temporary file, then rename it: a crash mid-write leaves the previous checkpoint intact."""
+def save_checkpoint(path, stateful, **position):
+    """Saves each stateful object's state_dict() by name, and the position: a crash mid-write leaves the old file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **position}, f)
+        torch.save({**{name: obj.state_dict() for name, obj in stateful.items()}, **position}, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
 
 
-def load_checkpoint(path, model, optimizer, group):
-    """Restore model and optimizer from path if it exists; returns where it left off ({"epoch": ...}), or None.
-    The file is mapped, not read into memory: its tensors are copied once, into the model and the optimizer
-    on this process's device, and nothing else of it is kept."""
+def load_checkpoint(path, stateful, group):
+    """Restores each stateful object from path if it exists; returns where it left off ({"epoch": ...}), or None.
+    The file is mapped, not read: its tensors are copied once, onto this process's device, and nothing else kept."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if os.path.exists(path) else None
     # DDP: every rank maps the file (a node's ranks share its pages). If one sees no file or another, as where a
     # node's view of shared storage lags, all stop with one line rather than train from different states.
-    position = state and {key: value for key, value in state.items() if key not in ("model", "optimizer")}
+    position = state and {key: value for key, value in state.items() if key not in stateful}
     positions = [None] * dist.get_world_size()
     dist.all_gather_object(positions, position, group=group)  # DDP: every rank's position (a few numbers)
     if any(p != positions[0] for p in positions):
         seen = [f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file" for p in (position, positions[0])]
         sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {seen[0]} at {path}, rank 0 "
                  f"{seen[1]}: start again once every node sees rank 0's file" if position != positions[0] else 1)
-    if state is not None:
-        model.load_state_dict(state.pop("model"))  # onto this process's device, whatever the saver's was
-        optimizer.load_state_dict(state.pop("optimizer"))
+    for name, obj in stateful.items() if state is not None else ():
+        obj.load_state_dict(state.pop(name))  # onto this process's device, whatever the saver's was
     return position
 
 
@@ -214,18 +235,20 @@ def train(args, rank, world_size, device):
 
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    position = load_checkpoint(args.checkpoint, model, optimizer, rank0_work) if args.checkpoint else None
+    optimizer = make_optimizer(model, args)
+    settings = [dict(group, initial_lr=group["lr"]) for group in optimizer.param_groups]  # initial_lr: the schedule's
+    # What a checkpoint holds and a resume restores, by name: add yours (a GradScaler, an EMA of the weights).
+    stateful = {"model": model, "optimizer": optimizer}
+    position = load_checkpoint(args.checkpoint, stateful, rank0_work) if args.checkpoint else None
+    for group, setting in zip(optimizer.param_groups, settings):
+        group.update(setting)  # this run's rates and settings (a changed flag), not the saved ones
     # The rate of optimizer step s is a formula of s (as nanoGPT's): a resume recomputes it from the steps trained, as
     # this run counts them, under another --epochs, --lr or global batch too.
     per_epoch = math.ceil(len(train_loader) / args.accumulate)  # optimizer steps of an epoch
     steps = args.epochs * per_epoch  # of the run
     steps_done = position["epoch"] * per_epoch + position.get("step", 0) if position else 0  # before this run
-    cosine = lambda s: (1 + math.cos(math.pi * min(1, max(0, s / steps - args.warmup) / (1 - args.warmup)))) / 2
-    rate = lambda s: min((s + 1) / (args.warmup * steps + 1), cosine(s) if args.cosine else 1)  # times --lr
-    for group in optimizer.param_groups:  # the rate's base (a checkpoint saved before the schedule has none)
-        group["initial_lr"] = args.lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate, last_epoch=steps_done - 1)  # the next step's rate
+    scheduler = torch.optim.lr_scheduler.LambdaLR(  # built at the steps done: its first rate is the next step's
+        optimizer, lambda step: get_lr(step, steps, args), last_epoch=steps_done - 1)
     start_epoch = position["epoch"] if position else 0
     if position and position.get("step"):  # saved inside an epoch by 05 or 06, which go on from that step
         sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1}; resume it with the step that wrote "
@@ -233,21 +256,22 @@ def train(args, rank, world_size, device):
     if position and is_main:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # gradient_as_bucket_view: the gradients live in DDP's buckets instead of being copied into them and back.
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
         torch.manual_seed(hash((args.seed, epoch, rank)))  # DDP: workers' seeds differ from rank to rank
         start = time.perf_counter()
-        loss, samples = train_one_epoch(ddp_model, train_loader, optimizer, scheduler, device, epoch, (args.seed, rank),
-                                        args.log_interval if is_main else 0, args.accumulate, args.amp)
+        loss, samples = train_one_epoch(args, ddp_model, train_loader, optimizer, scheduler, device, epoch)
         train_time = time.perf_counter() - start
-        correct, total = evaluate(model, test_loader, device)
+        test_loss, metric, count = evaluate(model, test_loader, device)
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch=epoch + 1, scheduler=scheduler.state_dict())
+            save_checkpoint(args.checkpoint, stateful, epoch=epoch + 1)
         dist.barrier(group=rank0_work)  # DDP: the others wait until the checkpoint is complete
-        summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test acc {100 * correct / total:.2f}% "
-                   f"({correct}/{total}) | {samples / train_time:.0f} samples/s | {time.perf_counter() - start:.1f} s")
+        summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test loss {test_loss / count:.4f} | "
+                   f"test {METRIC} {metric / count:.4f} of {count:.0f} | {samples / train_time:.0f} samples/s | "
+                   f"{time.perf_counter() - start:.1f} s")
         if is_main:
             print(summary, flush=True)
 

@@ -56,9 +56,19 @@ def load_01():
     return module
 
 
+def defaults(module):
+    """A step's flags at their defaults, as its parse_args() gives them."""
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        return module.parse_args()
+    finally:
+        sys.argv = argv
+
+
 def prebatched(args):
     """01's training loop on the same data, shuffled the same way, cut into batches on the device first."""
     step01 = load_01()
+    args = argparse.Namespace(**{**vars(defaults(step01)), **vars(args), "log_interval": 0})  # what the loop reads
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train_set, _ = step01.load_datasets(args)
     images, labels = (t.to(device) for t in train_set.tensors)
@@ -71,7 +81,7 @@ def prebatched(args):
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch)).to(device)
         batches = [(images[i], labels[i]) for i in order.split(args.batch_size)]
         start = time.perf_counter()
-        loss, samples = step01.train_one_epoch(model, batches, optimizer, scheduler, device, epoch, 0, 0, 1, False)
+        loss, samples = step01.train_one_epoch(args, model, batches, optimizer, scheduler, device, epoch)
         losses.append(loss)  # .item() in the loop: the time includes the device's work
         print(f"epoch {epoch + 1}/{args.epochs} | prebatched | {samples / (time.perf_counter() - start):.0f} "
               "samples/s |", flush=True)

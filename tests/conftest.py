@@ -26,8 +26,8 @@ GLOBAL_BATCH = 64  # the same in every step: 64 in one process, 2 x 32 with two 
 STEPS_PER_EPOCH = 50  # the synthetic set's 3200 training samples in steps of the global batch
 TEST_SAMPLES = 800  # its test set
 TOLERANCE = 1e-5  # max abs difference between weights that the steps must meet
-EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+) \| train loss ([\d.]+) \| test acc ([\d.]+)% \((\d+)/(\d+)\) "
-                        r"\| (\d+) samples/s \| ([\d.]+) s$", re.M)
+EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+) \| train loss ([\d.]+) \| test loss ([\d.]+) \| test accuracy ([\d.]+) of "
+                        r"(\d+) \| (\d+) samples/s \| ([\d.]+) s$", re.M)
 LAUNCH_LINE = re.compile(r"^rank (\d+)/(\d+) local_rank (\d+) host (\S+) pid (\d+) device (\S+) backend (\S+) "
                          r"master (\S+):(\d+)$", re.M)
 
@@ -46,8 +46,11 @@ class Result:
 
     def epochs(self):
         """The epoch lines as dicts of numbers."""
-        keys = ("epoch", "epochs", "loss", "acc", "correct", "total", "samples_per_s", "seconds")
-        return [dict(zip(keys, map(float, m.groups()))) for m in EPOCH_LINE.finditer(self.output)]
+        keys = ("epoch", "epochs", "loss", "test_loss", "accuracy", "total", "samples_per_s", "seconds")
+        epochs = [dict(zip(keys, map(float, m.groups()))) for m in EPOCH_LINE.finditer(self.output)]
+        for epoch in epochs:  # the test accuracy in percent, and as the number of test samples right
+            epoch.update(acc=100 * epoch["accuracy"], correct=round(epoch["accuracy"] * epoch["total"]))
+        return epochs
 
     def launches(self):
         return [m.groups() for m in LAUNCH_LINE.finditer(self.output)]

@@ -18,7 +18,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
     model = module.Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     path = str(tmp_path / "sub" / "ckpt.pt")  # the folder does not exist yet
-    module.save_checkpoint(path, model, optimizer, epoch=1)
+    module.save_checkpoint(path, {"model": model, "optimizer": optimizer}, epoch=1)
     before, saved_bias = open(path, "rb").read(), model.fc2.bias.detach().clone()
 
     def crash_midway(state, f):
@@ -28,7 +28,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
     with torch.no_grad():
         model.fc2.bias.add_(1.0)
     with pytest.raises(OSError, match="disk full"):
-        module.save_checkpoint(path, model, optimizer, epoch=2)
+        module.save_checkpoint(path, {"model": model, "optimizer": optimizer}, epoch=2)
     monkeypatch.undo()
 
     assert open(path, "rb").read() == before
@@ -47,7 +47,7 @@ def test_loading_keeps_nothing_of_the_checkpoint(tmp_path, monkeypatch, step):
     model(torch.zeros(2, 1, 28, 28)).sum().backward()
     optimizer.step()  # momentum buffers to save
     path = str(tmp_path / "ckpt.pt")
-    module.save_checkpoint(path, model, optimizer, epoch=1)
+    module.save_checkpoint(path, {"model": model, "optimizer": optimizer}, epoch=1)
     saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
     read = []  # weak references to the model tensors that torch.load returned
@@ -57,11 +57,11 @@ def test_loading_keeps_nothing_of_the_checkpoint(tmp_path, monkeypatch, step):
     fresh = module.Net()
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.01, momentum=0.9)
     if step == "01_single_gpu":
-        position = module.load_checkpoint(path, fresh, fresh_optimizer)
+        position = module.load_checkpoint(path, {"model": fresh, "optimizer": fresh_optimizer})
     else:  # one rank of its own: rank 0, in a process group with a store in memory
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            position = module.load_checkpoint(path, fresh, fresh_optimizer, dist.group.WORLD)
+            position = module.load_checkpoint(path, {"model": fresh, "optimizer": fresh_optimizer}, dist.group.WORLD)
         finally:
             dist.destroy_process_group()
     gc.collect()
@@ -111,8 +111,7 @@ def wide_03(tmp_path, sitecustomize):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     for parameter in model.parameters():
         optimizer.state[parameter]["momentum_buffer"] = torch.randn_like(parameter)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1)  # train.py saves its state too
-    module.save_checkpoint(str(tmp_path / "ckpt.pt"), model, optimizer, epoch=1, scheduler=scheduler.state_dict())
+    module.save_checkpoint(str(tmp_path / "ckpt.pt"), {"model": model, "optimizer": optimizer}, epoch=1)
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(sitecustomize)
     return 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20

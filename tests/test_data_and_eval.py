@@ -26,8 +26,9 @@ def test_evaluation_is_exact_for_any_world_size(tmp_path):
     _, test_set = single.load_datasets(Namespace(dataset="synthetic"))
     model = single.Net()
     model.load_state_dict(torch.load(checkpoint, map_location="cpu")["model"])
-    correct, total = single.evaluate(model, DataLoader(test_set, batch_size=500), torch.device("cpu"))
+    loss_sum, correct, total = single.evaluate(model, DataLoader(test_set, batch_size=500), torch.device("cpu"))
     assert (epoch["correct"], epoch["total"]) == (correct, total) == (correct, 800)
+    assert epoch["test_loss"] == round(loss_sum / total, 4), (epoch, loss_sum / total)  # the held-out mean loss
     assert 0.5 < correct / total < 1  # a real score, not a trivially perfect one
 
 

@@ -448,13 +448,13 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
         model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1)
-        cpu = dict(scheduler=scheduler, device=torch.device("cpu"), epoch=0, seed=0, log_interval=0, accumulate=1,
-                   amp=False, start_step=0, save_every=0)
+        args = Namespace(seed=0, log_interval=0, accumulate=1, amp=False, clip_grad=0, save_every=0)
+        cpu = dict(scheduler=scheduler, device=torch.device("cpu"), epoch=0, start_step=0)
         module.STOP.clear()
         # 1000 steps of 2 ms: not a check every step or every 10, but one per interval once the spacing has
         # doubled up to it, and never more than an interval and a step apart.
-        (_, samples), stopped_at, _ = module.train_one_epoch(model, DataLoader(SlowData(clock, 0.0005, 4000),
-                                                                              batch_size=4), optimizer, **cpu)
+        (_, _, samples), stopped_at, _ = module.train_one_epoch(args, model, DataLoader(SlowData(clock, 0.0005, 4000),
+                                                                                    batch_size=4), optimizer, **cpu)
         gaps = [later - earlier for earlier, later in zip(checks, checks[1:])]
         assert stopped_at is None and samples == 4000
         assert len(checks) < 1000 / 50 and 0.5 - 0.002 <= max(gaps) <= 0.5 + 0.002 + 1e-9, checks
@@ -464,8 +464,8 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
         checks.clear()
         clock.now, requested = 0.0, 2.0
         stop = lambda now: now >= requested and module.STOP.setdefault("signal", signal.SIGUSR2)  # noqa: E731
-        (_, samples), stopped_at, signum = module.train_one_epoch(
-            model, DataLoader(SlowData(clock, 0.05, 400, stop), batch_size=4), optimizer, **cpu)
+        (_, _, samples), stopped_at, signum = module.train_one_epoch(
+            args, model, DataLoader(SlowData(clock, 0.05, 400, stop), batch_size=4), optimizer, **cpu)
         assert stopped_at is not None and 0 < samples < 400 and signum == signal.SIGUSR2, (stopped_at, samples)
         assert 0 <= checks[-1] - requested <= 0.5 + 0.2 + 1e-9, checks  # one interval + a step
     finally:

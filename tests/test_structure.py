@@ -11,11 +11,14 @@ from conftest import REPO, STEPS
 
 # The order every train.py follows (a step may lack some), and, for each top-level definition, the runs
 # of consecutive steps that must hold it byte for byte. A new step-specific change belongs in this table.
-ORDER = ["parse_args", "download_mnist", "load_datasets", "Net", "ResumableSampler", "STOP_SIGNALS", "STOP",
+ORDER = ["parse_args", "load_datasets", "Net", "METRIC", "loss_and_metric", "make_optimizer", "get_lr", "ResumableSampler", "STOP_SIGNALS", "STOP",
          "STOP_CHECK_SECONDS", "STOPPED", "catch_stop_signals", "signalled", "stop_requested", "train_one_epoch",
          "evaluate", "save_checkpoint", "load_checkpoint", "check_launch", "setup", "train", "run", "main"]
 SHARED = {
-    "download_mnist": ["01 02 03 04 05 06"],
+    "METRIC": ["01 02 03 04 05 06"],
+    "loss_and_metric": ["01 02 03 04 05 06"],
+    "make_optimizer": ["01 02 03 04 05 06"],
+    "get_lr": ["01 02 03 04 05 06"],
     "load_datasets": ["01 02 03 04 05 06"],
     "Net": ["01 02 03 04 05 06"],
     "parse_args": ["01 02"],
