@@ -42,11 +42,10 @@ def parse_args():
     parser.add_argument("--clip-grad", type=float, default=0, metavar="NORM",
                         help="scale the gradient down to this norm before each optimizer step (0: never)")
     args = parser.parse_args()
-    if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
-        parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
-                     "at least 0")
-    if not args.lr > 0 or args.accumulate < 1 or not 0 <= args.warmup < 1 or args.clip_grad < 0:
-        parser.error("--lr must be above 0, --accumulate at least 1, --warmup in [0, 1), --clip-grad at least 0")
+    if (min(args.epochs, args.batch_size, args.test_batch_size, args.accumulate) < 1 or not args.lr > 0
+            or min(args.workers, args.log_interval, args.clip_grad) < 0 or not 0 <= args.warmup < 1):
+        parser.error("--epochs, --batch-size, --test-batch-size and --accumulate must be at least 1, --lr above 0, "
+                     "--workers, --log-interval, --clip-grad and --warmup at least 0, --warmup below 1")
     return args
 
 
@@ -72,9 +71,8 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN. No dropout or BatchNorm, which compute differently in each process (BatchNorm under DDP wants
-    nn.SyncBatchNorm). SiLU and average pooling, not ReLU and max pooling: smooth in the weights, so the rounding
-    differences between steps (DDP adds gradients in another order) stay near 1e-6 instead of flipping a max."""
+    """A small CNN without dropout or BatchNorm (03's page says why). SiLU and average pooling, not ReLU and max
+    pooling: smooth, so the rounding differences between steps (DDP adds in another order) stay near 1e-6."""
 
     def __init__(self):
         super().__init__()

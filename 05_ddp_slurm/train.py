@@ -52,11 +52,10 @@ def parse_args():
     parser.add_argument("--collective-timeout", type=float, default=600,
                         help="seconds a collective waits for a rank that stopped answering, then ends the run")
     args = parser.parse_args()
-    if min(args.epochs, args.batch_size, args.test_batch_size) < 1 or min(args.workers, args.log_interval) < 0:
-        parser.error("--epochs, --batch-size and --test-batch-size must be at least 1, --workers and --log-interval "
-                     "at least 0")
-    if not args.lr > 0 or args.accumulate < 1 or not 0 <= args.warmup < 1 or args.clip_grad < 0:
-        parser.error("--lr must be above 0, --accumulate at least 1, --warmup in [0, 1), --clip-grad at least 0")
+    if (min(args.epochs, args.batch_size, args.test_batch_size, args.accumulate) < 1 or not args.lr > 0
+            or min(args.workers, args.log_interval, args.clip_grad) < 0 or not 0 <= args.warmup < 1):
+        parser.error("--epochs, --batch-size, --test-batch-size and --accumulate must be at least 1, --lr above 0, "
+                     "--workers, --log-interval, --clip-grad and --warmup at least 0, --warmup below 1")
     if not args.collective_timeout > 0 or args.save_every < 0:
         parser.error("--collective-timeout must be above 0 seconds and --save-every at least 0")
     return args
@@ -84,9 +83,8 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN. No dropout or BatchNorm, which compute differently in each process (BatchNorm under DDP wants
-    nn.SyncBatchNorm). SiLU and average pooling, not ReLU and max pooling: smooth in the weights, so the rounding
-    differences between steps (DDP adds gradients in another order) stay near 1e-6 instead of flipping a max."""
+    """A small CNN without dropout or BatchNorm (03's page says why). SiLU and average pooling, not ReLU and max
+    pooling: smooth, so the rounding differences between steps (DDP adds in another order) stay near 1e-6."""
 
     def __init__(self):
         super().__init__()
@@ -336,7 +334,6 @@ def train(args, rank, world_size, device):
     if position and is_main:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch} step {start_step}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
-    # gradient_as_bucket_view: the gradients live in DDP's buckets instead of being copied into them and back.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
     def save_position(epoch, step, signum=0):  # SLURM: the model after `step` steps of `epoch`, and what they mean

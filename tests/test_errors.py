@@ -33,6 +33,7 @@ BAD_ARGUMENTS = [
     ("--accumulate 0", "03_ddp_mpspawn", ["--accumulate", "0"], "--accumulate"),  # before mp.spawn: exit 2 too
     ("--warmup 1 (the whole run)", "05_ddp_slurm", ["--warmup", "1"], "--warmup"),
     ("--warmup -0.1", "01_single_gpu", ["--warmup", "-0.1"], "--warmup"),
+    ("--clip-grad -1", "04_ddp_torchrun", ["--clip-grad", "-1"], "--clip-grad"),
 ]
 
 
