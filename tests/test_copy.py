@@ -61,13 +61,22 @@ if os.environ.get("TEST_START_METHOD"):
 '''
 
 
+def defined_name(node):
+    """The name a top-level statement defines: a function's or a class's, or the one name an assignment sets
+    (METRIC = "accuracy"); else None."""
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        return node.targets[0].id
+    return getattr(node, "name", None)
+
+
 def replace_definitions(source, names, code):
-    """source with the top-level definitions called names removed and code put where the first of them was."""
-    nodes = [node for node in ast.parse(source).body if getattr(node, "name", None) in names]
-    assert sorted(node.name for node in nodes) == sorted(names), names
+    """source with the top-level definitions (functions, classes, assignments to one name) called names removed and
+    code put where the first of them was."""
+    nodes = [node for node in ast.parse(source).body if defined_name(node) in names]
+    assert sorted(map(defined_name, nodes)) == sorted(names), names
     lines = source.splitlines(keepends=True)
     for node in sorted(nodes, key=lambda node: node.lineno, reverse=True):
-        first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+        first = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
         lines[first - 1:node.end_lineno] = [code] if node is min(nodes, key=lambda node: node.lineno) else []
     return "".join(lines)
 
