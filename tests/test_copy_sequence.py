@@ -89,7 +89,8 @@ def loss_and_metric(output, target):
 
 
 def make_optimizer(model, args):
-    """AdamW, as nanoGPT's: weight decay on the Linear layers' weights, none on biases, norms and embeddings."""
+    """AdamW in two groups, as nanoGPT's: weight decay on the Linear layers' weights, none on biases, norms and
+    (unlike nanoGPT, which decays every 2-D tensor) embeddings."""
     decayed = {id(module.weight) for module in model.modules() if isinstance(module, nn.Linear)}
     groups = [{"params": [p for p in model.parameters() if id(p) in decayed], "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if id(p) not in decayed], "weight_decay": 0.0}]
