@@ -345,8 +345,8 @@ STALE_RENDEZVOUS = dict(MASTER_ADDR="10.255.255.1", MASTER_PORT="1", RANK="7", W
 @pytest.fixture(scope="session")
 def ladder(reference, shared):
     """runs(step): one epoch with a checkpoint, then the same command with --epochs 2, which resumes, and
-    with progress lines every 15 steps. 03's first run has a thief after its port, 06's starts from a shell
-    with stale rendezvous variables (test_launch.py)."""
+    with progress lines every 15 steps (05's under torchrun, as a copy is tried without Slurm). 03's first run has a
+    thief after its port, 06's starts from a shell with stale rendezvous variables (test_launch.py)."""
     def runs(step):
         def compute(folder):
             checkpoint = folder / "ckpt.pt"
@@ -359,7 +359,11 @@ def ladder(reference, shared):
                 env = {"06_ddp_submitit": STALE_RENDEZVOUS, "03_ddp_mpspawn": {"PYTHONPATH": str(folder)}}.get(step, {})
                 first = run_step(step, [*args, "--epochs", "1"], folder, **env)
             epoch1 = copy(checkpoint, folder / "epoch1.pt")
-            second = run_step(step, [*args, "--epochs", "2", "--log-interval", "15"], folder)
+            if step == "05_ddp_slurm":  # resumed as a copy is tried without Slurm: under torchrun (05's page)
+                second = run(["torchrun", "--standalone", "--nproc-per-node", "2", f"{step}/train.py", *args, "--epochs",
+                              "2", "--log-interval", "15"])
+            else:
+                second = run_step(step, [*args, "--epochs", "2", "--log-interval", "15"], folder)
             return Namespace(first=first, second=second, epoch1=epoch1, final=checkpoint)
         return shared(f"ladder-{step}", compute)
     return runs
