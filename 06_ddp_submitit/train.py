@@ -337,7 +337,7 @@ def train(args, rank, world_size, device):
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
     optimizer = make_optimizer(model, args)
-    settings = [dict(group, initial_lr=group["lr"]) for group in optimizer.param_groups]  # initial_lr: the schedule's
+    settings = [dict(group, initial_lr=group["lr"]) for group in optimizer.param_groups]  # initial_lr: get_lr's base
     # What a checkpoint holds and a resume restores, by name: add yours (a GradScaler, an EMA of the weights).
     stateful = {"model": model, "optimizer": optimizer}
     position = load_checkpoint(args.checkpoint, stateful, rank0_work) if args.checkpoint else None
