@@ -1,8 +1,9 @@
 """The loop of a real job in every step: gradient accumulation (one all-reduce per optimizer step under DDP), a
 warm-up + cosine schedule, bf16 autocast, and a model with dropout that resumes bit for bit after a stop inside an
-epoch, also one that comes between two micro-batches of an optimizer step. Hooks in a sitecustomize count DDP's
-all-reduces (a comm hook, as DDP's reducer bypasses dist.all_reduce), log each optimizer step's learning rate, see
-the dtype of the activations and send a stop signal at a chosen forward."""
+epoch, also one that comes between two micro-batches of an optimizer step; --clip-grad clips the whole step's
+gradient, once. Hooks in a sitecustomize count DDP's all-reduces (a comm hook, as DDP's reducer bypasses
+dist.all_reduce) and clip_grad_norm_'s calls, log each optimizer step's learning rate, see the dtype of the activations
+and send a stop signal at a chosen forward."""
 import contextlib
 import math
 import io
@@ -28,7 +29,13 @@ def _log(name, text):
     import torch.distributed as dist
     with open(os.environ[name], "a") as log:
         log.write(f"{dist.get_rank() if dist.is_initialized() else 0} {text}\\n")
-if os.environ.get("TEST_COMM_LOG"):  # "all-reduce" per all-reduce of DDP's first bucket, "step" per optimizer step
+def _grad_norm(optimizer):  # of the gradient that the optimizer applies, all parameters together
+    import torch
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+if os.environ.get("TEST_COMM_LOG"):  # "all-reduce" per all-reduce of DDP's first bucket, "clip NORM" per call of
+    # clip_grad_norm_ (the norm it found, before clipping), "step NORM" per optimizer step (the norm it applied)
+    import torch.nn.utils
     from torch.nn.parallel import DistributedDataParallel
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -41,7 +48,14 @@ if os.environ.get("TEST_COMM_LOG"):  # "all-reduce" per all-reduce of DDP's firs
         ddp_init(self, *args, **kwargs)
         self.register_comm_hook(None, counted_hook)
     DistributedDataParallel.__init__ = counting_init
-    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: _log("TEST_COMM_LOG", "step"))
+    clip_grad_norm = torch.nn.utils.clip_grad_norm_
+    def logged_clip(*args, **kwargs):
+        norm = clip_grad_norm(*args, **kwargs)
+        _log("TEST_COMM_LOG", f"clip {norm.item()!r}")
+        return norm
+    torch.nn.utils.clip_grad_norm_ = logged_clip
+    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: _log("TEST_COMM_LOG",
+                                                                           f"step {_grad_norm(optimizer)!r}"))
 if os.environ.get("TEST_LR_LOG"):  # the learning rate of every optimizer step
     from torch.optim.optimizer import register_optimizer_step_post_hook
     register_optimizer_step_post_hook(
@@ -62,6 +76,7 @@ if os.environ.get("TEST_DTYPE_LOG") or os.environ.get("TEST_SIGNAL_AT_FORWARD"):
     torch.nn.modules.module.register_module_forward_hook(forward_hook)
 '''
 SCHEDULE = ["--warmup", "0.1", "--cosine"]
+CLIP_NORM = 0.1  # below every step's gradient norm in `accumulated` (0.2-0.33 unclipped, 01 at 64): it clips every step
 DROPOUT_NET = '''
 class Net(nn.Module):
     """The ladder's CNN with dropout, as a user's model has random layers."""
@@ -89,19 +104,34 @@ def site_dir(folder):
     return str(path)
 
 
-def run_here(step, args, hook=None):
-    """01 or 02 in this process (parse_args and train, with hook as a forward hook of every module): a process start
-    is most of a short run's time."""
+def run_here(step, args, hook=None, comm_log=None):
+    """01 or 02 in this process (parse_args and train, with hook as a forward hook of every module; comm_log: what
+    the sitecustomize's TEST_COMM_LOG logs, clip and step lines): a process start is most of a short run's time."""
     module, output = load_step_module(step), io.StringIO()
-    handle = hook and torch.nn.modules.module.register_module_forward_hook(hook)
-    try:
-        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(output):
-            patch.setattr(sys, "argv", [f"{step}/train.py", *args])
-            module.train(module.parse_args(), torch.device("cpu"))
-    finally:
-        if handle:
-            handle.remove()
+    with (contextlib.ExitStack() as undo, pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(output)):
+        patch.setattr(sys, "argv", [f"{step}/train.py", *args])
+        if hook:
+            undo.callback(torch.nn.modules.module.register_module_forward_hook(hook).remove)
+        if comm_log:
+            def log(text):
+                with open(comm_log, "a") as file:
+                    file.write(f"0 {text}\n")
+
+            def logged_clip(*args, clip_grad_norm=torch.nn.utils.clip_grad_norm_, **kwargs):
+                norm = clip_grad_norm(*args, **kwargs)
+                log(f"clip {norm.item()!r}")
+                return norm
+            patch.setattr(torch.nn.utils, "clip_grad_norm_", logged_clip)
+            undo.callback(register_optimizer_step_post_hook(
+                lambda optimizer, args, kwargs: log(f"step {grad_norm(optimizer)!r}")).remove)
+        module.train(module.parse_args(), torch.device("cpu"))
     return Result(0, output.getvalue(), "", 0)
+
+
+def grad_norm(optimizer):
+    """What the sitecustomize's _grad_norm computes: the norm of the gradient that the optimizer applies."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
 
 
 def per_rank(log):
@@ -119,9 +149,10 @@ def state(path):
 
 @pytest.fixture(scope="session")
 def accumulated(shared):
-    """One epoch, schedule on, in every step: 01 at a batch of 64 and 16 x 4 micro-batches, 03-06 at 2 x 8 x 4,
-    counting all-reduces; and a global batch of 96 (01: 96, 16 x 6; 05: 2 x 8 x 6), which leaves a short last
-    group of 2 micro-batches: 3200 = 33 x 96 + 32 (04 and 06 hold 03's and 05's train_one_epoch byte for byte)."""
+    """One epoch, schedule on, --clip-grad CLIP_NORM, in every step: 01 at a batch of 64 and 16 x 4 micro-batches,
+    03-06 at 2 x 8 x 4, counting all-reduces and clip_grad_norm_'s calls; and a global batch of 96 (01: 96, 16 x 6;
+    05: 2 x 8 x 6), which leaves a short last group of 2 micro-batches: 3200 = 33 x 96 + 32 (04 and 06 hold 03's and
+    05's train_one_epoch byte for byte)."""
     def compute(folder):
         path, runs = site_dir(folder), {}
         for name, step, flags in [("64", "01_single_gpu", ["--batch-size", "64"]),
@@ -132,10 +163,11 @@ def accumulated(shared):
                                                              "--accumulate", "6"])
                                     for step in ("01_single_gpu", "05_ddp_slurm")]]:
             checkpoint, comm = folder / f"{name}.pt", folder / f"{name}.comm"
-            args = [*SYNTHETIC, *SCHEDULE, *flags, "--epochs", "1", "--checkpoint", str(checkpoint)]
+            args = [*SYNTHETIC, *SCHEDULE, "--clip-grad", str(CLIP_NORM), *flags, "--epochs", "1", "--checkpoint",
+                    str(checkpoint)]
             env = dict(PYTHONPATH=path, TEST_COMM_LOG=str(comm))
             if step == "01_single_gpu":
-                result = run_here(step, args)
+                result = run_here(step, args, comm_log=comm)
             else:
                 result = run_slurm_tasks(args, **env) if step == "05_ddp_slurm" else run_step(step, args, folder, **env)
             runs[name] = Namespace(result=result, checkpoint=checkpoint, comm=comm)
@@ -144,8 +176,8 @@ def accumulated(shared):
 
 
 def test_accumulation_under_a_schedule_computes_the_weights_of_one_big_batch(accumulated):
-    """01 with 16 x 4 micro-batches, 03-06 with 2 ranks x 8 x 4, end an epoch under the warm-up + cosine schedule
-    within TOLERANCE of 01 at a batch of 64; with a short last group (a global batch of 96), of 01 at 96."""
+    """01 with 16 x 4 micro-batches, 03-06 with 2 ranks x 8 x 4, end an epoch under the warm-up + cosine schedule and
+    --clip-grad within TOLERANCE of 01 at a batch of 64; with a short last group (a global batch of 96), of 01 at 96."""
     runs = accumulated
     assert all(run.result.returncode == 0 for run in runs.values()), runs
     big = {name: state(runs["96" if name.endswith("x6") else "64"].checkpoint)["model"] for name in runs}
@@ -163,10 +195,43 @@ def test_one_all_reduce_per_optimizer_step(accumulated):
     (no_sync() in the others), in every DDP step and also for a short last group: each rank's log alternates."""
     for name, run in accumulated.items():
         if name[:2] in ("03", "04", "05", "06"):
-            logs = per_rank(run.comm)
+            logs = {rank: [line.split()[0] for line in log if not line.startswith("clip ")]  # the next test's
+                    for rank, log in per_rank(run.comm).items()}
             steps = 34 if name.endswith("x6") else 50
             assert sorted(logs) == [0, 1], name
             assert all(log == ["all-reduce", "step"] * steps for log in logs.values()), (name, logs[0][:9])
+
+
+def test_clip_grad_clips_the_all_reduced_gradient_once_per_optimizer_step(accumulated):
+    """--clip-grad CLIP_NORM, in every run of `accumulated`: each optimizer step calls clip_grad_norm_ once (under DDP
+    after the step's all-reduce), which finds a norm above CLIP_NORM (it clips at every step), and applies a gradient
+    of norm CLIP_NORM. The norm clipped, at every step of 01 at 16 x 4 and of 03-06 on both ranks, is that of 01 at one
+    big batch: the whole step's gradient, summed over the micro-batches and averaged over the ranks (and the weights
+    agree: the first test). Clipped after each micro-batch's backward instead, a rank would clip its own gradient."""
+    runs, found = accumulated, {}
+    for name, run in runs.items():
+        ddp, logs = name[:2] in ("03", "04", "05", "06"), per_rank(run.comm)
+        assert sorted(logs) == ([0, 1] if ddp else [0]), (name, logs)
+        for rank, log in logs.items():
+            clipped = [float(line.split()[1]) for line in log if line.startswith("clip ")]
+            applied = [float(line.split()[1]) for line in log if line.startswith("step ")]
+            found[name, rank] = (log, clipped, applied)
+    clip_lines = {f"{name}/{rank}": len(clipped) for (name, rank), (_, clipped, _) in found.items()}
+    steps = {name: 34 if name == "96" or name.endswith("x6") else 50 for name in runs}
+    big = {name: found["96" if steps[name] == 34 else "64", 0][1] for name in runs}
+    differences = {f"{name}/{rank}": max((abs(a / b - 1) for a, b in zip(clipped, big[name])), default=math.inf)
+                   for (name, rank), (_, clipped, _) in found.items() if name not in ("64", "96")}
+    print(f"--clip-grad {CLIP_NORM}: clip_grad_norm_ calls {clip_lines}; the norms it clipped: "
+          f"{min(min(c, default=0) for _, c, _ in found.values()):.3f} to "
+          f"{max(max(c, default=0) for _, c, _ in found.values()):.3f}, "
+          f"max relative difference to 01 at one big batch, step by step: "
+          f"{({key: f'{diff:.1e}' for key, diff in differences.items()})}")
+    for (name, rank), (log, clipped, applied) in found.items():
+        per_step = ["all-reduce", "clip", "step"] if name[:2] in ("03", "04", "05", "06") else ["clip", "step"]
+        assert [line.split()[0] for line in log] == per_step * steps[name], (name, rank, log[:12])
+        assert min(clipped) > CLIP_NORM, (name, rank, clipped)  # it clipped at every step
+        assert applied == pytest.approx([CLIP_NORM] * steps[name], rel=1e-4), (name, rank, applied)
+    assert all(diff <= TOLERANCE for diff in differences.values()), differences
 
 
 @pytest.fixture(scope="session")
