@@ -89,7 +89,7 @@ WIDE_NET = '''class Net(nn.Module):
 '''
 # 01's per-step reseed: the default generator's seed and, on GPUs, every GPU's (train_one_epoch).
 RESEED = re.compile(r'^( +)torch\.default_generator\.manual_seed\(seed := .*\n'
-                    r'\1if device\.type == "cuda":\n'
+                    r'\1if device\.type == "cuda":.*\n'
                     r'\1    torch\.cuda\.manual_seed_all\(seed\).*\n', re.M)
 BUCKET_VIEW = ", gradient_as_bucket_view=True)"  # 04's DDP(...) call ends with it
 
