@@ -388,7 +388,8 @@ def main():
                  "it without Slurm: torchrun --standalone --nproc-per-node 2 05_ddp_slurm/train.py")
     names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS") if slurm else ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     rank, local_rank, world_size = (int(os.environ[name]) for name in names)
-    check_launch(args.checkpoint, rank, local_rank)  # SLURM: before setup()
+    if slurm:  # SLURM: before setup(); its counts are Slurm's, which describe no torchrun (inside a job too)
+        check_launch(args.checkpoint, rank, local_rank)
     device = setup(rank, local_rank, world_size, args.collective_timeout)
     code = train(args, rank, world_size, device)
     dist.destroy_process_group()  # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all

@@ -212,7 +212,9 @@ def test_a_copied_05_resumes_the_language_model_bit_for_bit(tmp_path):
 @pytest.mark.parametrize("step", ["01_single_gpu", "05_ddp_slurm"])
 def test_the_copy_changes_only_the_named_parts(tmp_path, step):
     """Every line that differs between the copied train.py and the step's lies inside the named definitions of the
-    step's and inside the user's code in the copy's; the folder's other files are the step's, byte for byte."""
+    step's and inside the user's code in the copy's; the folder's other files are the step's, byte for byte. This
+    checks the copy the other tests run, as copy_step made it; that such a copy needs no other change is what they
+    prove, by training, reporting the token mean and resuming bit for bit."""
     folder = copy_step(step, tmp_path / "project", USER_CODE, NAMES)
     original, copied = (REPO / step / "train.py").read_text(), (folder / "train.py").read_text()
 

@@ -28,7 +28,8 @@ def test_evaluation_is_exact_for_any_world_size(tmp_path):
     model.load_state_dict(torch.load(checkpoint, map_location="cpu")["model"])
     loss_sum, correct, total = single.evaluate(model, DataLoader(test_set, batch_size=500), torch.device("cpu"))
     assert (epoch["correct"], epoch["total"]) == (correct, total) == (correct, 800)
-    assert epoch["test_loss"] == round(loss_sum / total, 4), (epoch, loss_sum / total)  # the held-out mean loss
+    # The held-out mean loss, as printed (4 decimals; 3 ranks add their float32 batch sums in another order).
+    assert abs(epoch["test_loss"] - loss_sum / total) <= 0.5e-4 + 1e-6, (epoch, loss_sum / total)
     assert 0.5 < correct / total < 1  # a real score, not a trivially perfect one
 
 

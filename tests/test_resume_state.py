@@ -87,7 +87,8 @@ def counted(shared):
 
 
 def test_the_users_edit_is_the_class_and_the_stateful_line(tmp_path):
-    """The copy differs from 05 only where the user edited it: the class added after Net, and the stateful line."""
+    """The copy differs from 05 only where the user edited it: the class added after Net, and the stateful line (the
+    copy the other tests run; that it needs no other change is what they prove)."""
     original = (REPO / "05_ddp_slurm" / "train.py").read_text().splitlines(keepends=True)
     edited = copy_05_with_a_counter(tmp_path / "project").read_text().splitlines(keepends=True)
     diff = [line for line in difflib.unified_diff(original, edited, n=0) if line[:3] not in ("---", "+++")]
