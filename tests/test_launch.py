@@ -140,3 +140,28 @@ def test_06_refuses_tasks_that_do_not_match_the_gpus():
                            "--tasks-per-node", "4"], cwd=REPO, capture_output=True, text=True, timeout=60, env=child_env())
     assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
         "train.py: error: --tasks-per-node 4 for --gpus-per-node 8: one per GPU"), done.stderr
+
+
+def test_05_under_torchrun_inside_an_allocation_runs_no_slurm_check(monkeypatch):
+    """A copy of 05 tried with the page's torchrun command in a shell of an allocation with 2 GPUs (`srun --pty
+    --gres=gpu:2 bash`: Slurm's variables say 1 task and 2 GPUs) starts under torchrun's layout; Slurm's task counts
+    describe no torchrun, and check_launch() took them for a wrong launch ("1 tasks and 2 GPUs")."""
+    module = load_step_module("05_ddp_slurm")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for name, value in dict(SLURM_JOB_ID="9", SLURM_STEP_ID="0", SLURM_GPUS_ON_NODE="2", SLURM_STEP_TASKS_PER_NODE="1",
+                            SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="1", LOCAL_RANK="1", RANK="1",
+                            WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["05_ddp_slurm/train.py", "--dataset", "synthetic"])
+    monkeypatch.setattr(module, "catch_stop_signals", lambda: None)  # not in the test's own process
+
+    class Started(Exception):
+        pass
+
+    def setup(rank, local_rank, world_size, timeout):
+        raise Started(rank, local_rank, world_size)
+    monkeypatch.setattr(module, "setup", setup)
+    with pytest.raises(Started) as started:
+        module.main()
+    assert started.value.args == (1, 1, 2)  # torchrun's place, not Slurm's (rank 0 of 1)
