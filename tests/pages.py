@@ -142,7 +142,8 @@ def preempted(command, scratch, log_of):
         if "sbatch" in command:  # submit.sh requeues itself: wait until the job has left the queue
             wait_for(lambda: not shell(f"squeue --noheader -j {job} 2>/dev/null || true", scratch).strip(), 600,
                      "the job's end")
-        if "stopped at" in read(log):
+        stopped = re.search(r"^stopped at epoch \d+ step (\d+)", read(log), re.M)
+        if stopped and int(stopped.group(1)) < 50:  # inside training, not in the evaluation after its 50 steps
             break
     else:
         raise RuntimeError("the preemption never landed inside training in three jobs")
