@@ -28,8 +28,10 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # names the step; --help shows the defaults
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    class Defaults(argparse.ArgumentDefaultsHelpFormatter):  # --help shows the defaults, but no "None"
+        def _get_help_string(self, action):
+            return action.help if action.default is None else super()._get_help_string(action)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Defaults)  # names the step
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per micro-batch in each process")
     parser.add_argument("--test-batch-size", type=int, default=1000, help="samples per evaluation step in each process")
