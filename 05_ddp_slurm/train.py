@@ -383,11 +383,12 @@ def main():
     catch_stop_signals()  # SLURM: first thing, before any other thread or process starts
     args = parse_args()
     # SLURM: srun starts the tasks and tells each its place; submit.sh exports MASTER_ADDR and MASTER_PORT. A copy
-    # tried without Slurm runs under torchrun, as 04 (torchrun --standalone --nproc-per-node 2 05_ddp_slurm/train.py).
-    slurm = "LOCAL_RANK" not in os.environ
+    # tried without Slurm runs under torchrun, as 04 (05's page: Run it), whose agent alone sets TORCHELASTIC_RUN_ID
+    # (not LOCAL_RANK: srun's tasks may have it too, from a container's hook or a site's wrapper).
+    slurm = "TORCHELASTIC_RUN_ID" not in os.environ
     if slurm and ("SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ):
-        sys.exit("error: start this script with srun in a job of submit.sh (sbatch 05_ddp_slurm/submit.sh), or try "
-                 "it without Slurm: torchrun --standalone --nproc-per-node 2 05_ddp_slurm/train.py")
+        sys.exit("error: start this script with srun in a job of submit.sh (sbatch 05_ddp_slurm/submit.sh), or try it "
+                 "without Slurm: CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node 2 05_ddp_slurm/train.py")
     names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS") if slurm else ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     rank, local_rank, world_size = (int(os.environ[name]) for name in names)
     if slurm:  # SLURM: before setup(); its counts are Slurm's, which describe no torchrun (inside a job too)

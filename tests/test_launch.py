@@ -151,7 +151,8 @@ def test_05_under_torchrun_inside_an_allocation_runs_no_slurm_check(monkeypatch)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     for name, value in dict(SLURM_JOB_ID="9", SLURM_STEP_ID="0", SLURM_GPUS_ON_NODE="2", SLURM_STEP_TASKS_PER_NODE="1",
                             SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="1", LOCAL_RANK="1", RANK="1",
-                            WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+                            WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                            TORCHELASTIC_RUN_ID="none").items():  # what torchrun's agent sets in every worker
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", ["05_ddp_slurm/train.py", "--dataset", "synthetic"])
     monkeypatch.setattr(module, "catch_stop_signals", lambda: None)  # not in the test's own process
@@ -165,3 +166,22 @@ def test_05_under_torchrun_inside_an_allocation_runs_no_slurm_check(monkeypatch)
     with pytest.raises(Started) as started:
         module.main()
     assert started.value.args == (1, 1, 2)  # torchrun's place, not Slurm's (rank 0 of 1)
+
+
+def test_05_started_by_srun_with_torchrun_like_variables_is_checked(monkeypatch):
+    """srun's tasks can carry RANK, LOCAL_RANK and WORLD_SIZE too (enroot's PyTorch hook in NGC images, a site's
+    wrapper): they are srun's tasks all the same, and check_launch() refuses a wrong launch (1 task, 2 GPUs)."""
+    module = load_step_module("05_ddp_slurm")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for name, value in dict(SLURM_JOB_ID="9", SLURM_STEP_ID="0", SLURM_GPUS_ON_NODE="2", SLURM_STEP_TASKS_PER_NODE="1",
+                            SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="1", LOCAL_RANK="0", RANK="0",
+                            WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["05_ddp_slurm/train.py", "--dataset", "synthetic"])
+    monkeypatch.setattr(module, "catch_stop_signals", lambda: None)  # not in the test's own process
+    monkeypatch.setattr(module, "setup", lambda *args: pytest.fail("trained past check_launch"))
+    with pytest.raises(SystemExit) as exited:
+        module.main()
+    assert "1 tasks and 2 GPUs" in str(exited.value.code), exited.value.code
