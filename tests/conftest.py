@@ -4,6 +4,7 @@ import importlib.util
 import os
 import pickle
 import re
+import resource
 import select
 import shutil
 import signal
@@ -19,6 +20,10 @@ import torch
 import torch.distributed as dist
 from filelock import FileLock
 
+# What the tests train in their own process (parse_args and train called here) runs on one thread, as every process
+# they start does (child_env): four pytest-xdist workers share two cores, and two threads each would spin-wait on
+# each other's cores (a third of the CPU time of such a run is its one thread's).
+torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parent.parent
 STEPS = ["01_single_gpu", "02_dataparallel", "03_ddp_mpspawn", "04_ddp_torchrun", "05_ddp_slurm", "06_ddp_submitit"]
 SYNTHETIC = ["--dataset", "synthetic", "--workers", "0"]
@@ -226,6 +231,45 @@ SLURM_PARTITION, SLURM_HIGH = (f"low{WORKER or ''}", f"high{WORKER or ''}")  # p
 _prefix = os.environ.get("SLURM_TEST_NODE_PREFIX", "n")
 SLURM_NODES = [f"{_prefix}{2 * WORKER + 1}", f"{_prefix}{2 * WORKER + 2}"]  # the pair's nodes, in order
 STARTED_BY = SLURM_DIR / "started-by-pytest"  # the run that started the cluster stops it at its end
+
+
+def cpu_seconds():
+    """CPU time of this process and of every process it started and waited for (their children included)."""
+    return sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for field in ("ru_utime", "ru_stime"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.cpu_start = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each report carries the CPU seconds its test has spent so far (set-up, call, teardown): the shared runs it
+    made included, the Slurm jobs' tasks (Slurm's daemons start them) not."""
+    report = (yield).get_result()
+    report.user_properties.append(("cpu_seconds", cpu_seconds() - item.cpu_start))
+
+
+CPU_REPORT = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        CPU_REPORT.append((dict(report.user_properties).get("cpu_seconds", 0), report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Beside --durations' wall times: the CPU seconds of the 15 most costly tests, set-up and teardown included."""
+    if CPU_REPORT:
+        terminalreporter.write_sep("=", "most CPU seconds (the test's process and those it waited for; not Slurm's tasks)")
+        for seconds, nodeid in sorted(CPU_REPORT, reverse=True)[:15]:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
+        terminalreporter.write_line(f"{sum(s for s, _ in CPU_REPORT):8.1f} s  all {len(CPU_REPORT)} tests")
+        if os.environ.get("CPU_REPORT"):  # every test's, to compare two runs
+            Path(os.environ["CPU_REPORT"]).write_text("".join(f"{s:.1f} {n}\n" for s, n in sorted(CPU_REPORT, reverse=True)))
 
 
 def pytest_configure(config):

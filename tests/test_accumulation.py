@@ -23,6 +23,23 @@ from conftest import (STEPS, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, batc
 from test_copy import copy_step
 from test_preemption import REQUEUE_CODE, SITECUSTOMIZE, STOPPED, finish_all, hold_env
 
+# The train() functions that differ: 04's is 03's byte for byte, 06's is 05's (test_structure.py), and the ladder
+# proves that their launchers hand train() the same ranks; that their parse_args reads these flags alike, the first
+# test below. So the runs here train 01, 02 (DataParallel), 03 and 05, and no launcher twice.
+TRAINS = ["01_single_gpu", "02_dataparallel", "03_ddp_mpspawn", "05_ddp_slurm"]
+FLAGS = ["--accumulate", "4", "--amp", "--clip-grad", "0.1", "--warmup", "0.1", "--cosine", "--batch-size", "8"]
+
+
+@pytest.mark.parametrize("step, twin", [("04_ddp_torchrun", "03_ddp_mpspawn"), ("06_ddp_submitit", "05_ddp_slurm")])
+def test_04_and_06_read_the_training_flags_as_03_and_05(step, twin, monkeypatch):
+    parsed = {}
+    for name in (step, twin):
+        monkeypatch.setattr(sys, "argv", [f"{name}/train.py", *FLAGS, *(["--local"] if name == STEPS[5] else [])])
+        parsed[name] = vars(load_step_module(name).parse_args())
+    keys = ("accumulate", "amp", "clip_grad", "warmup", "cosine", "batch_size", "lr", "epochs", "seed")
+    assert [parsed[step][k] for k in keys] == [parsed[twin][k] for k in keys] == [4, True, 0.1, 0.1, True, 8,
+                                                                                  *[parsed[twin][k] for k in keys[6:]]]
+
 HOOKS = '''
 import os, signal
 def _log(name, text):
@@ -149,16 +166,15 @@ def state(path):
 
 @pytest.fixture(scope="session")
 def accumulated(shared):
-    """One epoch, schedule on, --clip-grad CLIP_NORM, in every step: 01 at a batch of 64 and 16 x 4 micro-batches,
-    03-06 at 2 x 8 x 4, counting all-reduces and clip_grad_norm_'s calls; and a global batch of 96 (01: 96, 16 x 6;
-    05: 2 x 8 x 6), which leaves a short last group of 2 micro-batches: 3200 = 33 x 96 + 32 (04 and 06 hold 03's and
-    05's train_one_epoch byte for byte)."""
+    """One epoch, schedule on, --clip-grad CLIP_NORM, in each train() (TRAINS): 01 at a batch of 64 and 16 x 4
+    micro-batches, 03 and 05 at 2 x 8 x 4, counting all-reduces and clip_grad_norm_'s calls; and a global batch of 96
+    (01: 96, 16 x 6; 05: 2 x 8 x 6), which leaves a short last group of 2 micro-batches: 3200 = 33 x 96 + 32."""
     def compute(folder):
         path, runs = site_dir(folder), {}
         for name, step, flags in [("64", "01_single_gpu", ["--batch-size", "64"]),
                                   ("96", "01_single_gpu", ["--batch-size", "96"]),
                                   *[(f"{step[:2]}x4", step, ["--batch-size", "16" if step < "02" else "8",
-                                                             "--accumulate", "4"]) for step in STEPS if step != STEPS[1]],
+                                                             "--accumulate", "4"]) for step in TRAINS if step != STEPS[1]],
                                   *[(f"{step[:2]}x6", step, ["--batch-size", "16" if step < "02" else "8",
                                                              "--accumulate", "6"])
                                     for step in ("01_single_gpu", "05_ddp_slurm")]]:
@@ -238,10 +254,10 @@ def test_clip_grad_clips_the_all_reduced_gradient_once_per_optimizer_step(accumu
 
 @pytest.fixture(scope="session")
 def amp_runs(shared):
-    """One epoch of every step with --amp (bf16 autocast), logging the dtype of training activations."""
+    """One epoch of each train() (TRAINS) with --amp (bf16 autocast), logging the dtype of training activations."""
     def compute(folder):
         path, runs = site_dir(folder), {}
-        for step in STEPS:
+        for step in TRAINS:
             checkpoint, dtypes = folder / f"{step}.pt", folder / f"{step}.dtypes"
             args = [*SYNTHETIC, *batch_args(step), "--amp", "--epochs", "1", "--log-interval", "10", "--checkpoint",
                     str(checkpoint)]

@@ -129,15 +129,10 @@ def test_a_copied_01_reports_the_mean_over_tokens(tmp_path):
     script = copy_step("01_single_gpu", tmp_path / "project", USER_CODE, NAMES) / "train.py"
     data, checkpoint = write_lines(tmp_path / "data"), tmp_path / "ckpt.pt"
     module, output = load_step_module("01_copied_sequence", script), io.StringIO()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the suite's processes (OMP_NUM_THREADS=1): 2 cores, shared
-    try:
-        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(output):
-            patch.setattr(sys, "argv", [str(script), *FLAGS, "--data-dir", data, "--epochs", "2", "--batch-size", "16",
-                                        "--checkpoint", str(checkpoint)])
-            module.train(module.parse_args(), torch.device("cpu"))
-    finally:
-        torch.set_num_threads(threads)
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(output):
+        patch.setattr(sys, "argv", [str(script), *FLAGS, "--data-dir", data, "--epochs", "2", "--batch-size", "16",
+                                    "--checkpoint", str(checkpoint)])
+        module.train(module.parse_args(), torch.device("cpu"))
     first, last = epochs(output.getvalue())
     assert last["loss"] < first["loss"], output.getvalue()
 

@@ -142,15 +142,12 @@ def train_here(script, args):
     module, output, rates = load_step_module(f"resume_{script.parent.name}", script), io.StringIO(), []
     handle = register_optimizer_step_post_hook(
         lambda optimizer, a, kw: rates.append([group["lr"] for group in optimizer.param_groups]))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the processes the tests start (child_env): a third of the CPU time on 2 busy cores
     try:
         with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(output):
             patch.setattr(sys, "argv", [str(script), *args])
             module.train(module.parse_args(), torch.device("cpu"))
     finally:
         handle.remove()
-        torch.set_num_threads(threads)
     return output.getvalue(), rates
 
 
