@@ -56,6 +56,8 @@ def parse_args():
                      "--workers, --log-interval, --clip-grad and --warmup at least 0, --warmup below 1")
     if not args.collective_timeout > 0:
         parser.error("--collective-timeout must be above 0 seconds")
+    # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (a container's: thrown away).
+    args.checkpoint = args.checkpoint and os.path.join(os.environ.get("SLURM_SUBMIT_DIR", ""), args.checkpoint)
     return args
 
 

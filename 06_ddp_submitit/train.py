@@ -1,6 +1,6 @@
 """Step 06: DDP submitted from Python with submitit, to Slurm or to processes on this machine.
 
-Run:  python 06_ddp_submitit/train.py --nodes 2 --gpus-per-node 4 --cpus-per-task 8 --epochs 3 --checkpoint ckpt06.pt
+Run:  python 06_ddp_submitit/train.py --nodes 2 --gpus-per-node 4 --cpus-per-task 8 --epochs 3
       python 06_ddp_submitit/train.py --local --dataset synthetic   (no cluster needed)
 
 Changed since 05: no batch script of ours: this file submits itself through submitit, which writes one (05's requeue
@@ -82,6 +82,8 @@ def parse_args():
                      "--workers, --log-interval, --clip-grad and --warmup at least 0, --warmup below 1")
     if not args.collective_timeout > 0 or args.save_every < 0:
         parser.error("--collective-timeout must be above 0 seconds and --save-every at least 0")
+    # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (a container's: thrown away).
+    args.checkpoint = args.checkpoint and os.path.join(os.environ.get("SLURM_SUBMIT_DIR", ""), args.checkpoint)
     # submitit: the launcher often runs on a login node, whose GPUs (none) say nothing of the compute nodes'.
     if args.gpus_per_node is None and not args.local and submitit.AutoExecutor.which() == "slurm":
         parser.error("--gpus-per-node is needed on Slurm: the GPUs of each compute node (0 for CPU nodes)")
@@ -415,7 +417,10 @@ def run(args):
     catch_stop_signals()
     # submitit: the rendezvous variables, with the MASTER_PORT that the batch script found free (see main()).
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
+    rank, local_rank, world_size = env.rank, env.local_rank, env.world_size  # MASTER_PORT: the batch script's (main())
+    if "SLURM_SUBMIT_DIR" in os.environ:  # SLURM: as parse_args, in the task; without --checkpoint, one per job as
+        args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint or  # 05's: requeues resume it
+                                       f"checkpoints/ddp-submitit-{os.environ['SLURM_JOB_ID']}.pt")
     check_launch(args.checkpoint, rank, local_rank)  # SLURM: before setup()
     device = setup(rank, local_rank, world_size, args.collective_timeout)
     code = train(args, rank, world_size, device)
@@ -427,11 +432,9 @@ def run(args):
 def main():
     args = parse_args()
     # submitit: the job inherits these from an allocation or torchrun; TorchDistributedEnvironment would take them.
-    stale = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]
-    if args.local:  # an allocation's job and layout, which check_launch would take for those of these tasks
-        stale += ["SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID",
-                  "SLURM_RESTART_COUNT"]
-    for name in stale:
+    for name in ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] + args.local * [
+            "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_RESTART_COUNT",
+            "SLURM_SUBMIT_DIR"]:  # --local: an allocation's job and layout, which check_launch would take for its own
         os.environ.pop(name, None)
     # submitit: Slurm when there is one (or --local: processes here); a new log folder for every launch.
     folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))
@@ -452,6 +455,7 @@ def main():
                                                '"$SLURM_JOB_ID"; fi; exit $status'])
     if executor.cluster == "slurm":  # submitit: None drops its --wckey=submitit, which sites that enforce wckeys reject
         executor._executor.update_parameters(wckey=args.wckey)  # (AutoExecutor's own would ignore a None)
+        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint or "checkpoints/-")), exist_ok=True)  # run()'s
     # submitit: the job imports this file as a module, found through the PYTHONPATH it inherits (not __main__, pickled
     # by value), so that workers started by spawn or forkserver find its classes by name when given the dataset.
     here, name = os.path.split(os.path.splitext(os.path.abspath(__file__))[0])

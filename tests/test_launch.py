@@ -1,14 +1,16 @@
 """How each process finds its GPU and its rendezvous. setup() of 03-06 under the layouts that real sites give
 a task (all of its node's GPUs, or one bound to it), with CUDA and the process group replaced by recorders,
 and 03's rendezvous port, which no other program can take."""
+import signal
 import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from conftest import REPO, STALE_RENDEZVOUS, child_env, load_step_module
+from conftest import REPO, STALE_RENDEZVOUS, child_env, free_port, load_step_module
 
 
 @pytest.mark.parametrize("step, visible, local_rank, expected", [
@@ -185,3 +187,74 @@ def test_05_started_by_srun_with_torchrun_like_variables_is_checked(monkeypatch)
     with pytest.raises(SystemExit) as exited:
         module.main()
     assert "1 tasks and 2 GPUs" in str(exited.value.code), exited.value.code
+
+
+def start_task_in_a_container(monkeypatch, tmp_path, step, **env):
+    """A one-task job of step on the CPU, in this process: its task starts in a working folder that is not the
+    submit folder (a container's: NGC images start in /workspace), with a stop signal pending from the start, so
+    that it stops before its first step and saves. Returns (the submit folder, the working folder, the module)."""
+    module = load_step_module(step)
+    submit, workdir = tmp_path / "submit", tmp_path / "workspace"
+    (submit / "checkpoints").mkdir(parents=True)  # made on the host: submit.sh, 06's launcher
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_LOCALID="0",
+                            SLURM_NODEID="0", SLURM_NTASKS="1", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="127.0.0.1",
+                            SLURM_SUBMIT_DIR=str(submit), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                            **env).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(module, "catch_stop_signals", lambda: None)  # not in the test's own process
+    monkeypatch.setattr(signal, "sigpending", lambda: {signal.SIGUSR2})  # what signalled() finds pending
+    return submit, workdir, module
+
+
+def stopped(call):
+    """call()'s exit code; the process group it left, if any, destroyed."""
+    try:
+        with pytest.raises(SystemExit) as exited:
+            call()
+        return exited.value.code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_05_saves_a_relative_checkpoint_in_the_submit_folder(monkeypatch, capsys, tmp_path):
+    """A relative --checkpoint (a user's, through submit.sh's "$@") is the submit folder's, not the working folder's
+    of a container, whose files are thrown away with it: every requeue would start over."""
+    submit, workdir, module = start_task_in_a_container(monkeypatch, tmp_path, "05_ddp_slurm")
+    monkeypatch.setattr(sys, "argv", ["05_ddp_slurm/train.py", "--dataset", "synthetic", "--epochs", "1",
+                                      "--checkpoint", "checkpoints/mine.pt"])
+    code = stopped(module.main)
+    output = capsys.readouterr().out
+    assert code == 144, (code, output)
+    assert "stopped at epoch 1 step 0 on SIGUSR2: saved in " in output, output
+    assert (submit / "checkpoints" / "mine.pt").exists() and not list(workdir.iterdir())
+
+
+def test_06_checkpoints_in_the_submit_folder_by_default_one_per_job(monkeypatch, capsys, tmp_path):
+    """06 on Slurm without --checkpoint: its tasks save in checkpoints/ddp-submitit-JOBID.pt of the submit folder (as
+    05's submit.sh names it: a requeue, under the same job id, resumes it) and exit to be requeued, where they used to
+    save nothing and end the job as COMPLETED; a relative --checkpoint is the submit folder's, resolved in the task
+    (the launcher's shell is no job), not the working folder's of a container."""
+    submit, workdir, module = start_task_in_a_container(monkeypatch, tmp_path, "06_ddp_submitit",
+                                                        SUBMITIT_EXECUTOR="slurm", SLURM_JOB_NAME="ddp-submitit")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # run() exports them: undone at the end
+        monkeypatch.setenv(name, "0")
+    for extra in ([], ["--checkpoint", "checkpoints/mine.pt"]):
+        monkeypatch.setattr(sys, "argv", ["06_ddp_submitit/train.py", "--dataset", "synthetic", "--epochs", "1",
+                                          "--gpus-per-node", "0", *extra])
+        monkeypatch.delenv("SLURM_SUBMIT_DIR")  # the launcher's shell, on a login node
+        args = module.parse_args()
+        monkeypatch.setenv("SLURM_SUBMIT_DIR", str(submit))  # the job's tasks
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        code = stopped(lambda: module.run(args))
+        output = capsys.readouterr().out
+        assert code == 144 and "stopped at epoch 1 step 0 on SIGUSR2: saved in " in output, (code, output)
+    assert sorted(path.name for path in (submit / "checkpoints").iterdir()) == ["ddp-submitit-4242.pt", "mine.pt"]
+    assert not list(workdir.iterdir())
+
