@@ -369,18 +369,21 @@ def train(args, rank, world_size, device):
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
     def save_position(epoch, step, signum=0):  # SLURM: the model after `step` steps of `epoch`, and what they mean
+        # SLURM: runs in a row that stop where they resumed (no step, no evaluation): the third is not requeued.
+        stuck = (position or {}).get("stuck", 0) + 1 if (epoch, step) == (start_epoch, start_step) else 0
         began = time.perf_counter()
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, stateful, epoch=epoch, step=step, totals=done, layout=layout,
+            save_checkpoint(args.checkpoint, stateful, epoch=epoch, step=step, totals=done, layout=layout, stuck=stuck,
                             world_size=world_size, batch_size=args.batch_size, accumulate=args.accumulate)
         dist.barrier(group=rank0_work)
-        saved = (f"saved in {time.perf_counter() - began:.1f} s, exit code {STOPPED} to be requeued" if args.checkpoint
-                 else "no --checkpoint, so nothing is saved and the job is not requeued (it would start over)")
-        if is_main and signum:  # SLURM: after a stop signal; STOPPED has the batch script requeue the job
-            print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}", flush=True)
-        elif is_main and args.checkpoint:
-            print(f"saved at epoch {epoch + 1} step {step} (--save-every {args.save_every:g})", flush=True)
-        return STOPPED if args.checkpoint else 0
+        saved = ("no --checkpoint, so nothing is saved and the job is not requeued (it would start over)" if not
+                 args.checkpoint else f"saved in {time.perf_counter() - began:.1f} s, " + (f"exit code {STOPPED} to be "
+                 "requeued" if stuck < 3 else f"exit code 1, not requeued: {stuck} runs in a row stopped before a "
+                 "step or an evaluation (give the job more time than its start-up and the signal's lead)"))
+        if is_main and (signum or args.checkpoint):  # SLURM: after a stop signal, STOPPED has the batch script requeue
+            print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}" if signum else
+                  f"saved at epoch {epoch + 1} step {step} (--save-every {args.save_every:g})", flush=True)
+        return 1 if stuck >= 3 else STOPPED if args.checkpoint else 0
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
