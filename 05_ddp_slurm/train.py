@@ -289,6 +289,12 @@ def setup(rank, local_rank, world_size, timeout, store=None):
     facts = (f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} pid {os.getpid()} "
              f"device {device} backend {backend} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     print(facts + "\n", end="", flush=True)  # one write, so that the ranks' lines do not interleave
+    if backend == "nccl":  # SLURM: tasks on one GPU (--gpu-bind=map_gpu:0) fail in NCCL; UUIDs tell, not indices (all
+        mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))  # 0 under ConstrainDevices)
+        dist.all_gather_object(found := [None] * world_size, mine, group=dist.new_group(backend="gloo"))  # NCCL fails
+        if shared := [(r, *place) for r, place in enumerate(found) if found.count(place) > 1]:  # all end; rank 0 says
+            sys.exit(f"error: tasks on one GPU, as (task, host, GPU): {shared}: run one task per GPU (--gpus-per-task"
+                     "=1, or --ntasks-per-node as --gpus-per-node) and bind no GPU to two" if rank == 0 else 1)
     return device
 
 

@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+from argparse import Namespace
 
 import pytest
 import torch
@@ -26,6 +27,11 @@ def test_each_process_finds_its_gpu(monkeypatch, capsys, step, visible, local_ra
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(set_device=str(device)))
     monkeypatch.setattr(module.dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    if step != "03_ddp_mpspawn":  # 05's tasks then gather their GPUs' identities (below), each a GPU of its own here
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Namespace(uuid="GPU-5"))
+        monkeypatch.setattr(module.dist, "new_group", lambda backend: backend)
+        monkeypatch.setattr(module.dist, "all_gather_object", lambda found, mine, group: found.__setitem__(
+            slice(None), [("n1", f"GPU-{rank}") for rank in range(len(found))]))
     monkeypatch.setenv("MASTER_ADDR", "n1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(visible))))
@@ -89,6 +95,42 @@ def test_a_wrong_gpu_launch_is_refused_in_one_line(monkeypatch, tmp_path, step, 
         f"error: task 5 on {socket.gethostname()}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} "
         f"(CUDA_VISIBLE_DEVICES={'0,1,2,3'[:2 * visible - 1]}): run one task per GPU (--ntasks-per-node as "
         "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
+
+
+# The GPU (host, UUID) of each task of a job of 4 tasks on 2 nodes, as setup() gathers them after init_process_group.
+@pytest.mark.parametrize("gpus, shared", [
+    ([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-c"), ("n2", "GPU-d")], None),  # one GPU each
+    # --gpu-bind=map_gpu:0 on n2 (or under ConstrainDevices, where each task's GPU is its cuda:0 and indices tell
+    # nothing): tasks 2 and 3 on one GPU, which NCCL refuses with a traceback on every rank
+    ([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-c"), ("n2", "GPU-c")], "[(2, 'n2', 'GPU-c'), (3, 'n2', 'GPU-c')]"),
+    ([("n1", "GPU-a"), ("n1", "GPU-a"), ("n2", "GPU-c"), ("n2", "GPU-d")], "[(0, 'n1', 'GPU-a'), (1, 'n1', 'GPU-a')]"),
+])
+def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, gpus, shared):
+    """Every task ends (none waits in a collective for the others), and rank 0 names those that share a GPU in one
+    line; the GPUs' identities travel over Gloo, as NCCL itself fails on a shared GPU."""
+    module = load_step_module("05_ddp_slurm")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # each task sees the one GPU it is bound to
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(module.dist, "init_process_group", lambda backend, **kw: None)
+    monkeypatch.setattr(module.dist, "new_group", lambda backend: backend)
+    monkeypatch.setenv("MASTER_ADDR", "n1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    for rank, (host, uuid) in enumerate(gpus):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, uuid=uuid: Namespace(uuid=uuid))
+
+        def all_gather_object(found, mine, group, uuid=uuid):
+            assert mine == (socket.gethostname(), uuid) and group == "gloo"
+            found[:] = gpus
+        monkeypatch.setattr(module.dist, "all_gather_object", all_gather_object)
+        if shared is None:
+            assert str(module.setup(rank, rank % 2, len(gpus), 600)) == "cuda:0"
+            continue
+        with pytest.raises(SystemExit) as exited:
+            module.setup(rank, rank % 2, len(gpus), 600)
+        assert exited.value.code == (1 if rank else (
+            f"error: tasks on one GPU, as (task, host, GPU): {shared}: run one task per GPU (--gpus-per-task=1, or "
+            "--ntasks-per-node as --gpus-per-node) and bind no GPU to two"))
 
 
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
