@@ -68,6 +68,8 @@ def parse_args():
     parser.add_argument("--wckey", help="Slurm workload key, where the site asks for one (submitit's own: none)")
     parser.add_argument("--python", help="the tasks' python, e.g. in a container: python3 (default: this one)")
     parser.add_argument("--srun-args", default="", help="added to srun, e.g. a container's: '--container-image=IMG'")
+    parser.add_argument("--sbatch", action="append", type=lambda option: (*option.lstrip("-").split("=", 1), True)[:2],
+                        metavar="KEY[=VALUE]", help="an sbatch option, e.g. qos=high or exclusive (repeatable)")
     parser.add_argument("--log-dir", default="submitit_logs", help="every job gets a new log folder in here")
     args = parser.parse_args()
     if min(args.nodes, args.tasks_per_node or 1, args.cpus_per_task, args.timeout_min) < 1 or args.tasks_per_node == 0:
@@ -453,7 +455,7 @@ def main():
                                timeout_min=args.timeout_min, slurm_partition=args.partition, slurm_account=args.account,
                                # submitit: as 05's submit.sh, which says why; the threads (srun passes them on) and,
                                # on the first node, a port that no process there listens on (bash: no Python needed).
-                               slurm_signal_delay_s=120, slurm_additional_parameters={"requeue": True},
+                               slurm_additional_parameters=dict(args.sbatch or (), requeue=True, signal="USR2@120"),
                                slurm_srun_args=[*args.srun_args.split(), "--kill-on-bad-exit=0", "--wait=30",
                                                 f"--cpus-per-task={args.cpus_per_task}"],
                                slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",
