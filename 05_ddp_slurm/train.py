@@ -142,14 +142,12 @@ STOPPED = 144  # SLURM: the exit code of tasks that stopped and saved; the batch
 
 
 def catch_stop_signals():
-    """SLURM: Slurm sends SIGUSR2 and SIGTERM to every process of the task, and data-loader workers started by
-    forkserver (Python 3.14's default) or spawn would die of them. So this blocks both: processes and threads started
-    later keep them pending, where signalled() finds them (a thread started before takes them in the handler)."""
+    """SLURM: Slurm signals every process of the task, and data-loader workers started by forkserver (3.14's default)
+    or spawn would die of it: blocked, both stay pending in those started later, where signalled() finds them."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    # CPython's resource tracker unblocks SIGTERM in the thread that starts it: start it now, under the block, and
-    # block again (else the first worker started by forkserver or spawn would start it, and unblock SIGTERM here).
+    # CPython's resource tracker unblocks SIGTERM in the thread that starts it: started here (not by a first worker).
     multiprocessing.resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
@@ -371,10 +369,9 @@ def train(args, rank, world_size, device):
             (loss_sum, count, trained), step, signum = train_one_epoch(  # SLURM: up to where all ranks stopped, or None
                 args, ddp_model, train_loader, optimizer, scheduler, device, epoch, step)
             done, samples = [done[0] + loss_sum, done[1] + count], samples + trained
+            code = save_position(epoch, step, signum) if step is not None else 0
             if signum:
-                return save_position(epoch, step, signum)
-            if step is not None:
-                save_position(epoch, step)
+                return code
         train_time = time.perf_counter() - start
         test_loss, metric, count = evaluate(model, test_loader, device)
         if signum := stop_requested(device)[0]:  # SLURM: a stop signal in evaluate(): the next run evaluates again
@@ -393,9 +390,8 @@ def train(args, rank, world_size, device):
 def main():
     catch_stop_signals()  # SLURM: first thing, before any other thread or process starts
     args = parse_args()
-    # SLURM: srun starts the tasks and tells each its place; submit.sh exports MASTER_ADDR and MASTER_PORT. A copy
-    # tried without Slurm runs under torchrun, as 04 (05's page: Run it), whose agent alone sets TORCHELASTIC_RUN_ID
-    # (not LOCAL_RANK: srun's tasks may have it too, from a container's hook or a site's wrapper).
+    # SLURM: srun starts the tasks, each told its place; submit.sh exports MASTER_ADDR/PORT. Tried without Slurm: under
+    # torchrun (05's page: Run it), whose agent alone sets TORCHELASTIC_RUN_ID (srun's tasks may have LOCAL_RANK too).
     slurm = "TORCHELASTIC_RUN_ID" not in os.environ
     if slurm and ("SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ):
         sys.exit("error: start this script with srun in a job of submit.sh (sbatch 05_ddp_slurm/submit.sh), or try it "

@@ -72,10 +72,9 @@ def parse_args():
                         metavar="KEY[=VALUE]", help="an sbatch option, e.g. qos=high or exclusive (repeatable)")
     parser.add_argument("--log-dir", default="submitit_logs", help="every job gets a new log folder in here")
     args = parser.parse_args()
-    if min(args.nodes, args.tasks_per_node or 1, args.cpus_per_task, args.timeout_min) < 1 or args.tasks_per_node == 0:
-        parser.error("--nodes, --tasks-per-node, --cpus-per-task and --timeout-min must be at least 1")
-    if args.local and args.nodes > 1:
-        parser.error("--local runs the tasks on this machine: one node")
+    if (min(args.nodes, args.tasks_per_node or 1, args.cpus_per_task, args.timeout_min) < 1 or args.tasks_per_node == 0
+            or args.local and args.nodes > 1):
+        parser.error("--nodes, --tasks-per-node, --cpus-per-task and --timeout-min must be at least 1; --local: 1 node")
     # submitit: half of the task's cores (or --workers) for data-loader workers, the rest for threads (in main()).
     args.workers = args.cpus_per_task // 2 if args.workers is None else args.workers
     if (min(args.epochs, args.batch_size, args.test_batch_size, args.accumulate) < 1 or not args.lr > 0
@@ -173,14 +172,12 @@ STOPPED = 144  # SLURM: the exit code of tasks that stopped and saved; the batch
 
 
 def catch_stop_signals():
-    """SLURM: Slurm sends SIGUSR2 and SIGTERM to every process of the task, and data-loader workers started by
-    forkserver (Python 3.14's default) or spawn would die of them. So this blocks both: processes and threads started
-    later keep them pending, where signalled() finds them (a thread started before takes them in the handler)."""
+    """SLURM: Slurm signals every process of the task, and data-loader workers started by forkserver (3.14's default)
+    or spawn would die of it: blocked, both stay pending in those started later, where signalled() finds them."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    # CPython's resource tracker unblocks SIGTERM in the thread that starts it: start it now, under the block, and
-    # block again (else the first worker started by forkserver or spawn would start it, and unblock SIGTERM here).
+    # CPython's resource tracker unblocks SIGTERM in the thread that starts it: started here (not by a first worker).
     multiprocessing.resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
@@ -402,10 +399,9 @@ def train(args, rank, world_size, device):
             (loss_sum, count, trained), step, signum = train_one_epoch(  # SLURM: up to where all ranks stopped, or None
                 args, ddp_model, train_loader, optimizer, scheduler, device, epoch, step)
             done, samples = [done[0] + loss_sum, done[1] + count], samples + trained
+            code = save_position(epoch, step, signum) if step is not None else 0
             if signum:
-                return save_position(epoch, step, signum)
-            if step is not None:
-                save_position(epoch, step)
+                return code
         train_time = time.perf_counter() - start
         test_loss, metric, count = evaluate(model, test_loader, device)
         if signum := stop_requested(device)[0]:  # SLURM: a stop signal in evaluate(): the next run evaluates again
@@ -424,9 +420,7 @@ def train(args, rank, world_size, device):
 def run(args):
     """One task of the job, as submitit starts it on every node."""
     # submitit: ours replace its handlers, whose `scontrol requeue` an image without Slurm cannot run: as in 05, the
-    # tasks exit with STOPPED, which the batch script's teardown (or --local's controller) turns into a requeue.
-    catch_stop_signals()
-    # submitit: the rendezvous variables, with the MASTER_PORT that the batch script found free (see main()).
+    catch_stop_signals()  # tasks exit with STOPPED, which the batch script's teardown (or --local's) requeues
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size  # MASTER_PORT: the batch script's (main())
     if "SLURM_SUBMIT_DIR" in os.environ:  # SLURM: as parse_args, in the task; without --checkpoint, one per job as
