@@ -63,13 +63,10 @@ def parse_args():
                         help="processes per node: one per GPU (default: --gpus-per-node, or 2 without GPUs)")
     parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per process")
     parser.add_argument("--timeout-min", type=int, default=60, help="time limit of the job in minutes")
-    parser.add_argument("--partition", help="Slurm partition (default: the cluster's default)")
-    parser.add_argument("--account", help="Slurm account to charge (sacctmgr show assoc user=$USER lists yours)")
-    parser.add_argument("--wckey", help="Slurm workload key, where the site asks for one (submitit's own: none)")
     parser.add_argument("--python", help="the tasks' python, e.g. in a container: python3 (default: this one)")
     parser.add_argument("--srun-args", default="", help="added to srun, e.g. a container's: '--container-image=IMG'")
     parser.add_argument("--sbatch", action="append", type=lambda option: (*option.lstrip("-").split("=", 1), True)[:2],
-                        metavar="KEY[=VALUE]", help="an sbatch option, e.g. qos=high or exclusive (repeatable)")
+                        metavar="KEY[=VALUE]", help="an sbatch option, as partition=P, account=A, qos=high, exclusive")
     parser.add_argument("--log-dir", default="submitit_logs", help="every job gets a new log folder in here")
     args = parser.parse_args()
     if (min(args.nodes, args.tasks_per_node or 1, args.cpus_per_task, args.timeout_min) < 1 or args.tasks_per_node == 0
@@ -446,7 +443,7 @@ def main():
     executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None, slurm_python=args.python)
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
-                               timeout_min=args.timeout_min, slurm_partition=args.partition, slurm_account=args.account,
+                               timeout_min=args.timeout_min,
                                # submitit: as 05's submit.sh, which says why; the threads (srun passes them on) and,
                                # on the first node, a port that no process there listens on (bash: no Python needed).
                                slurm_additional_parameters=dict(args.sbatch or (), requeue=True, signal="USR2@120"),
@@ -459,7 +456,7 @@ def main():
                                slurm_teardown=[f'status=$?; if [ $status = {STOPPED} ]; then scontrol requeue '
                                                '"$SLURM_JOB_ID"; fi; exit $status'])
     if executor.cluster == "slurm":  # submitit: None drops its --wckey=submitit, which sites that enforce wckeys reject
-        executor._executor.update_parameters(wckey=args.wckey)  # (AutoExecutor's own would ignore a None)
+        executor._executor.update_parameters(wckey=None)  # (AutoExecutor's own would ignore a None); --sbatch wckey=K
         os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint or "checkpoints/-")), exist_ok=True)  # run()'s
     # submitit: the job imports this file as a module, found through the PYTHONPATH it inherits (not __main__, pickled
     # by value), so that workers started by spawn or forkserver find its classes by name when given the dataset.

@@ -157,20 +157,20 @@ def test_a_missing_checkpoint_folder_and_a_requeue_that_starts_over(monkeypatch,
 
 
 def test_06_writes_the_account_no_wckey_and_the_container_into_its_job(tmp_path):
-    """The batch script that submitit writes for 06 (an sbatch that keeps it and refuses to submit): --account,
-    no wckey unless asked for (submitit's own, "submitit", is rejected where wckeys are enforced), any other sbatch
-    option a site requires (--sbatch, repeated), and tasks in a container: its flags on the srun line, and the image's
-    python instead of this one, absent there. The checkpoint's folder (checkpoints/ without --checkpoint) is made
+    """The batch script that submitit writes for 06 (an sbatch that keeps it and refuses to submit): the sbatch
+    options a site requires (--sbatch, repeated: an account, a QOS, memory per GPU, --exclusive), no wckey unless
+    asked for (submitit's own, "submitit", is rejected where wckeys are enforced), and tasks in a container: its flags
+    on the srun line, and the image's python instead of this one, absent there. The checkpoint's folder (checkpoints/ without --checkpoint) is made
     here, on the host, in the folder that will be the job's submit folder."""
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "sbatch").write_text('#!/bin/sh\nfor last; do :; done\ncp "$last" "$KEEP"\nexit 1\n')
     (tmp_path / "bin" / "sbatch").chmod(0o755)
     scripts = []
     for extra in (["--sbatch", "qos=high", "--sbatch", "mem-per-gpu=32G", "--sbatch=--exclusive"],
-                  ["--wckey", "ml", "--checkpoint", "mine/ckpt.pt"]):
+                  ["--sbatch", "wckey=ml", "--checkpoint", "mine/ckpt.pt"]):
         keep = tmp_path / f"job{len(scripts)}.sh"
         subprocess.run([sys.executable, REPO / "06_ddp_submitit/train.py", "--nodes", "2", "--gpus-per-node", "4",
-                        "--account", "proj42", "--python", "python3", "--srun-args",
+                        "--sbatch", "account=proj42", "--python", "python3", "--srun-args",
                         "--container-image=nvcr.io/nvidia/pytorch:24.05-py3 --container-mounts=/scratch", "--log-dir",
                         str(tmp_path / "logs"), *extra], cwd=tmp_path, timeout=120, capture_output=True,
                        env=child_env(KEEP=str(keep), PATH=f"{tmp_path / 'bin'}:{child_env()['PATH']}"))
