@@ -284,6 +284,26 @@ def test_05_saves_a_relative_checkpoint_in_the_submit_folder(monkeypatch, capsys
     assert (submit / "checkpoints" / "mine.pt").exists() and not list(workdir.iterdir())
 
 
+def test_04_under_slurm_takes_a_relative_checkpoint_as_the_submit_folders(monkeypatch, capsys, tmp_path):
+    """04's processes in submit.sh's job (torchrun's, in a container's working folder) resolve a relative
+    --checkpoint against the submit folder, and refuse a folder missing there: made by the task in a container that
+    lacks its mount, it would keep every save in the image's throwaway files, and a requeue would start over."""
+    module = load_step_module("04_ddp_torchrun")
+    submit, workdir = tmp_path / "submit", tmp_path / "workspace"
+    submit.mkdir()
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_SUBMIT_DIR", str(submit))
+    monkeypatch.setattr(sys, "argv", ["04_ddp_torchrun/train.py", "--checkpoint", "checkpoints/ddp-torchrun-7.pt"])
+    with pytest.raises(SystemExit) as exited:
+        module.parse_args()
+    assert exited.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        f"train.py: error: no checkpoint folder {submit}/checkpoints on {socket.gethostname()}: make it before the "
+        "job (submit.sh does), and mount it there in a container")
+    (submit / "checkpoints").mkdir()  # as submit.sh makes it, on the host
+    assert module.parse_args().checkpoint == f"{submit}/checkpoints/ddp-torchrun-7.pt"
+
 def test_06_checkpoints_in_the_submit_folder_by_default_one_per_job(monkeypatch, capsys, tmp_path):
     """06 on Slurm without --checkpoint: its tasks save in checkpoints/ddp-submitit-JOBID.pt of the submit folder (as
     05's submit.sh names it: a requeue, under the same job id, resumes it) and exit to be requeued, where they used to
