@@ -291,8 +291,7 @@ def setup(rank, local_rank, world_size, timeout, store=None):
         mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))  # 0 under ConstrainDevices)
         dist.all_gather_object(found := [None] * world_size, mine, group=dist.new_group(backend="gloo"))  # NCCL fails
         if shared := [(r, *place) for r, place in enumerate(found) if found.count(place) > 1]:  # all end; rank 0 says
-            sys.exit(f"error: tasks on one GPU, as (task, host, GPU): {shared}: run one task per GPU (--gpus-per-task"
-                     "=1, or --ntasks-per-node as --gpus-per-node) and bind no GPU to two" if rank == 0 else 1)
+            sys.exit(1 if rank else f"error: tasks share a GPU (task, host, UUID): {shared}: give each its own GPU")
     return device
 
 

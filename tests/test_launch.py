@@ -128,9 +128,8 @@ def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, gpus, shared):
             continue
         with pytest.raises(SystemExit) as exited:
             module.setup(rank, rank % 2, len(gpus), 600)
-        assert exited.value.code == (1 if rank else (
-            f"error: tasks on one GPU, as (task, host, GPU): {shared}: run one task per GPU (--gpus-per-task=1, or "
-            "--ntasks-per-node as --gpus-per-node) and bind no GPU to two"))
+        assert exited.value.code == (1 if rank else f"error: tasks share a GPU (task, host, UUID): {shared}: give each "
+                                     "its own GPU")
 
 
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
@@ -160,8 +159,8 @@ def test_06_writes_the_account_no_wckey_and_the_container_into_its_job(tmp_path)
     """The batch script that submitit writes for 06 (an sbatch that keeps it and refuses to submit): the sbatch
     options a site requires (--sbatch, repeated: an account, a QOS, memory per GPU, --exclusive), no wckey unless
     asked for (submitit's own, "submitit", is rejected where wckeys are enforced), and tasks in a container: its flags
-    on the srun line, and the image's python instead of this one, absent there. The checkpoint's folder (checkpoints/ without --checkpoint) is made
-    here, on the host, in the folder that will be the job's submit folder."""
+    on the srun line, and the image's python instead of this one, absent there. The checkpoint's folder (checkpoints/
+    without --checkpoint) is made here, on the host, in the folder that will be the job's submit folder."""
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "sbatch").write_text('#!/bin/sh\nfor last; do :; done\ncp "$last" "$KEEP"\nexit 1\n')
     (tmp_path / "bin" / "sbatch").chmod(0o755)
