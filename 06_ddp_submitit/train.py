@@ -72,8 +72,7 @@ def parse_args():
     if (min(args.nodes, args.tasks_per_node or 1, args.cpus_per_task, args.timeout_min) < 1 or args.tasks_per_node == 0
             or args.local and args.nodes > 1):
         parser.error("--nodes, --tasks-per-node, --cpus-per-task and --timeout-min must be at least 1; --local: 1 node")
-    # submitit: half of the task's cores (or --workers) for data-loader workers, the rest for threads (in main()).
-    args.workers = args.cpus_per_task // 2 if args.workers is None else args.workers
+    args.workers = args.cpus_per_task // 2 if args.workers is None else args.workers  # submitit: the rest for threads
     if (min(args.epochs, args.batch_size, args.test_batch_size, args.accumulate) < 1 or not args.lr > 0
             or min(args.workers, args.log_interval, args.clip_grad) < 0 or not 0 <= args.warmup < 1):
         parser.error("--epochs, --batch-size, --test-batch-size and --accumulate must be at least 1, --lr above 0, "
@@ -437,8 +436,7 @@ def main():
             "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_RESTART_COUNT",
             "SLURM_SUBMIT_DIR"]:  # --local: an allocation's job and layout, which check_launch would take for its own
         os.environ.pop(name, None)
-    # submitit: Slurm when there is one (or --local: processes here); a new log folder for every launch.
-    folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))
+    folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))  # submitit: a new log folder every launch
     executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None, slurm_python=args.python)
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
