@@ -68,6 +68,9 @@ fi
 # After a restart, workers that share torchrun's own rendezvous store can read the previous round's
 # addresses and fail or hang (pytorch/pytorch#135712; README.md says how often our restart test did).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# Checkpoints in checkpoints/ of the submit folder (train.py takes a relative --checkpoint as the submit
+# folder's), made here on the host: a container that lacks its mount would make it in the image's throwaway files.
+mkdir -p "$SLURM_SUBMIT_DIR/checkpoints"
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $NPROC_PER_NODE processes" \
   "per node, rendezvous $RDZV_HOST:$RDZV_PORT"

@@ -56,6 +56,11 @@ def parse_args():
                      "--workers, --log-interval, --clip-grad and --warmup at least 0, --warmup below 1")
     if not args.collective_timeout > 0:
         parser.error("--collective-timeout must be above 0 seconds")
+    # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (a container's: thrown away).
+    args.checkpoint = args.checkpoint and os.path.join(os.environ.get("SLURM_SUBMIT_DIR", ""), args.checkpoint)
+    if args.checkpoint and "SLURM_JOB_ID" in os.environ and not os.path.isdir(os.path.dirname(args.checkpoint)):
+        parser.error(f"no checkpoint folder {os.path.dirname(args.checkpoint)} on {socket.gethostname()}: make it "
+                     "before the job (submit.sh does), and mount it there in a container")  # else saved in the image
     return args
 
 

@@ -60,6 +60,8 @@ def parse_args():
                      "--workers, --log-interval, --clip-grad and --warmup at least 0, --warmup below 1")
     if not args.collective_timeout > 0 or args.save_every < 0:
         parser.error("--collective-timeout must be above 0 seconds and --save-every at least 0")
+    # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (a container's: thrown away).
+    args.checkpoint = args.checkpoint and os.path.join(os.environ.get("SLURM_SUBMIT_DIR", ""), args.checkpoint)
     return args
 
 
@@ -140,14 +142,12 @@ STOPPED = 144  # SLURM: the exit code of tasks that stopped and saved; the batch
 
 
 def catch_stop_signals():
-    """SLURM: Slurm sends SIGUSR2 and SIGTERM to every process of the task, and data-loader workers started by
-    forkserver (Python 3.14's default) or spawn would die of them. So this blocks both: processes and threads started
-    later keep them pending, where signalled() finds them (a thread started before takes them in the handler)."""
+    """SLURM: Slurm signals every process of the task, and data-loader workers started by forkserver (3.14's default)
+    or spawn would die of it: blocked, both stay pending in those started later, where signalled() finds them."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    # CPython's resource tracker unblocks SIGTERM in the thread that starts it: start it now, under the block, and
-    # block again (else the first worker started by forkserver or spawn would start it, and unblock SIGTERM here).
+    # CPython's resource tracker unblocks SIGTERM in the thread that starts it: started here (not by a first worker).
     multiprocessing.resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
@@ -287,6 +287,11 @@ def setup(rank, local_rank, world_size, timeout, store=None):
     facts = (f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} pid {os.getpid()} "
              f"device {device} backend {backend} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     print(facts + "\n", end="", flush=True)  # one write, so that the ranks' lines do not interleave
+    if backend == "nccl":  # SLURM: tasks on one GPU (--gpu-bind=map_gpu:0) fail in NCCL; UUIDs tell, not indices (all
+        mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))  # 0 under ConstrainDevices)
+        dist.all_gather_object(found := [None] * world_size, mine, group=dist.new_group(backend="gloo"))  # NCCL fails
+        if shared := [(r, *place) for r, place in enumerate(found) if found.count(place) > 1]:  # all end; rank 0 says
+            sys.exit(1 if rank else f"error: tasks share a GPU (task, host, UUID): {shared}: give each its own GPU")
     return device
 
 
@@ -338,18 +343,21 @@ def train(args, rank, world_size, device):
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
     def save_position(epoch, step, signum=0):  # SLURM: the model after `step` steps of `epoch`, and what they mean
+        # SLURM: runs in a row that stop where they resumed (no step, no evaluation): the third is not requeued.
+        stuck = (position or {}).get("stuck", 0) + 1 if (epoch, step) == (start_epoch, start_step) else 0
         began = time.perf_counter()
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, stateful, epoch=epoch, step=step, totals=done, layout=layout,
+            save_checkpoint(args.checkpoint, stateful, epoch=epoch, step=step, totals=done, layout=layout, stuck=stuck,
                             world_size=world_size, batch_size=args.batch_size, accumulate=args.accumulate)
         dist.barrier(group=rank0_work)
-        saved = (f"saved in {time.perf_counter() - began:.1f} s, exit code {STOPPED} to be requeued" if args.checkpoint
-                 else "no --checkpoint, so nothing is saved and the job is not requeued (it would start over)")
-        if is_main and signum:  # SLURM: after a stop signal; STOPPED has the batch script requeue the job
-            print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}", flush=True)
-        elif is_main and args.checkpoint:
-            print(f"saved at epoch {epoch + 1} step {step} (--save-every {args.save_every:g})", flush=True)
-        return STOPPED if args.checkpoint else 0
+        saved = ("no --checkpoint, so nothing is saved and the job is not requeued (it would start over)" if not
+                 args.checkpoint else f"saved in {time.perf_counter() - began:.1f} s, " + (f"exit code {STOPPED} to be "
+                 "requeued" if stuck < 3 else f"exit code 1, not requeued: {stuck} runs in a row stopped before a "
+                 "step or an evaluation (give the job more time than its start-up and the signal's lead)"))
+        if is_main and (signum or args.checkpoint):  # SLURM: after a stop signal, STOPPED has the batch script requeue
+            print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}" if signum else
+                  f"saved at epoch {epoch + 1} step {step} (--save-every {args.save_every:g})", flush=True)
+        return 1 if stuck >= 3 else STOPPED if args.checkpoint else 0
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
@@ -360,10 +368,9 @@ def train(args, rank, world_size, device):
             (loss_sum, count, trained), step, signum = train_one_epoch(  # SLURM: up to where all ranks stopped, or None
                 args, ddp_model, train_loader, optimizer, scheduler, device, epoch, step)
             done, samples = [done[0] + loss_sum, done[1] + count], samples + trained
+            code = save_position(epoch, step, signum) if step is not None else 0
             if signum:
-                return save_position(epoch, step, signum)
-            if step is not None:
-                save_position(epoch, step)
+                return code
         train_time = time.perf_counter() - start
         test_loss, metric, count = evaluate(model, test_loader, device)
         if signum := stop_requested(device)[0]:  # SLURM: a stop signal in evaluate(): the next run evaluates again
@@ -382,9 +389,8 @@ def train(args, rank, world_size, device):
 def main():
     catch_stop_signals()  # SLURM: first thing, before any other thread or process starts
     args = parse_args()
-    # SLURM: srun starts the tasks and tells each its place; submit.sh exports MASTER_ADDR and MASTER_PORT. A copy
-    # tried without Slurm runs under torchrun, as 04 (05's page: Run it), whose agent alone sets TORCHELASTIC_RUN_ID
-    # (not LOCAL_RANK: srun's tasks may have it too, from a container's hook or a site's wrapper).
+    # SLURM: srun starts the tasks, each told its place; submit.sh exports MASTER_ADDR/PORT. Tried without Slurm: under
+    # torchrun (05's page: Run it), whose agent alone sets TORCHELASTIC_RUN_ID (srun's tasks may have LOCAL_RANK too).
     slurm = "TORCHELASTIC_RUN_ID" not in os.environ
     if slurm and ("SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ):
         sys.exit("error: start this script with srun in a job of submit.sh (sbatch 05_ddp_slurm/submit.sh), or try it "

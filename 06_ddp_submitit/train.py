@@ -1,6 +1,6 @@
 """Step 06: DDP submitted from Python with submitit, to Slurm or to processes on this machine.
 
-Run:  python 06_ddp_submitit/train.py --nodes 2 --gpus-per-node 4 --cpus-per-task 8 --epochs 3 --checkpoint ckpt06.pt
+Run:  python 06_ddp_submitit/train.py --nodes 2 --gpus-per-node 4 --cpus-per-task 8 --epochs 3
       python 06_ddp_submitit/train.py --local --dataset synthetic   (no cluster needed)
 
 Changed since 05: no batch script of ours: this file submits itself through submitit, which writes one (05's requeue
@@ -63,25 +63,24 @@ def parse_args():
                         help="processes per node: one per GPU (default: --gpus-per-node, or 2 without GPUs)")
     parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per process")
     parser.add_argument("--timeout-min", type=int, default=60, help="time limit of the job in minutes")
-    parser.add_argument("--partition", help="Slurm partition (default: the cluster's default)")
-    parser.add_argument("--account", help="Slurm account to charge (sacctmgr show assoc user=$USER lists yours)")
-    parser.add_argument("--wckey", help="Slurm workload key, where the site asks for one (submitit's own: none)")
     parser.add_argument("--python", help="the tasks' python, e.g. in a container: python3 (default: this one)")
     parser.add_argument("--srun-args", default="", help="added to srun, e.g. a container's: '--container-image=IMG'")
+    parser.add_argument("--sbatch", action="append", type=lambda option: (*option.lstrip("-").split("=", 1), True)[:2],
+                        metavar="KEY[=VALUE]", help="an sbatch option, as partition=P, account=A, qos=high, exclusive")
     parser.add_argument("--log-dir", default="submitit_logs", help="every job gets a new log folder in here")
     args = parser.parse_args()
-    if min(args.nodes, args.tasks_per_node or 1, args.cpus_per_task, args.timeout_min) < 1 or args.tasks_per_node == 0:
-        parser.error("--nodes, --tasks-per-node, --cpus-per-task and --timeout-min must be at least 1")
-    if args.local and args.nodes > 1:
-        parser.error("--local runs the tasks on this machine: one node")
-    # submitit: half of the task's cores (or --workers) for data-loader workers, the rest for threads (in main()).
-    args.workers = args.cpus_per_task // 2 if args.workers is None else args.workers
+    if (min(args.nodes, args.tasks_per_node or 1, args.cpus_per_task, args.timeout_min) < 1 or args.tasks_per_node == 0
+            or args.local and args.nodes > 1):
+        parser.error("--nodes, --tasks-per-node, --cpus-per-task and --timeout-min must be at least 1; --local: 1 node")
+    args.workers = args.cpus_per_task // 2 if args.workers is None else args.workers  # submitit: the rest for threads
     if (min(args.epochs, args.batch_size, args.test_batch_size, args.accumulate) < 1 or not args.lr > 0
             or min(args.workers, args.log_interval, args.clip_grad) < 0 or not 0 <= args.warmup < 1):
         parser.error("--epochs, --batch-size, --test-batch-size and --accumulate must be at least 1, --lr above 0, "
                      "--workers, --log-interval, --clip-grad and --warmup at least 0, --warmup below 1")
     if not args.collective_timeout > 0 or args.save_every < 0:
         parser.error("--collective-timeout must be above 0 seconds and --save-every at least 0")
+    # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (a container's: thrown away).
+    args.checkpoint = args.checkpoint and os.path.join(os.environ.get("SLURM_SUBMIT_DIR", ""), args.checkpoint)
     # submitit: the launcher often runs on a login node, whose GPUs (none) say nothing of the compute nodes'.
     if args.gpus_per_node is None and not args.local and submitit.AutoExecutor.which() == "slurm":
         parser.error("--gpus-per-node is needed on Slurm: the GPUs of each compute node (0 for CPU nodes)")
@@ -169,14 +168,12 @@ STOPPED = 144  # SLURM: the exit code of tasks that stopped and saved; the batch
 
 
 def catch_stop_signals():
-    """SLURM: Slurm sends SIGUSR2 and SIGTERM to every process of the task, and data-loader workers started by
-    forkserver (Python 3.14's default) or spawn would die of them. So this blocks both: processes and threads started
-    later keep them pending, where signalled() finds them (a thread started before takes them in the handler)."""
+    """SLURM: Slurm signals every process of the task, and data-loader workers started by forkserver (3.14's default)
+    or spawn would die of it: blocked, both stay pending in those started later, where signalled() finds them."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    # CPython's resource tracker unblocks SIGTERM in the thread that starts it: start it now, under the block, and
-    # block again (else the first worker started by forkserver or spawn would start it, and unblock SIGTERM here).
+    # CPython's resource tracker unblocks SIGTERM in the thread that starts it: started here (not by a first worker).
     multiprocessing.resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
@@ -316,6 +313,11 @@ def setup(rank, local_rank, world_size, timeout, store=None):
     facts = (f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} pid {os.getpid()} "
              f"device {device} backend {backend} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     print(facts + "\n", end="", flush=True)  # one write, so that the ranks' lines do not interleave
+    if backend == "nccl":  # SLURM: tasks on one GPU (--gpu-bind=map_gpu:0) fail in NCCL; UUIDs tell, not indices (all
+        mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))  # 0 under ConstrainDevices)
+        dist.all_gather_object(found := [None] * world_size, mine, group=dist.new_group(backend="gloo"))  # NCCL fails
+        if shared := [(r, *place) for r, place in enumerate(found) if found.count(place) > 1]:  # all end; rank 0 says
+            sys.exit(1 if rank else f"error: tasks share a GPU (task, host, UUID): {shared}: give each its own GPU")
     return device
 
 
@@ -367,18 +369,21 @@ def train(args, rank, world_size, device):
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
     def save_position(epoch, step, signum=0):  # SLURM: the model after `step` steps of `epoch`, and what they mean
+        # SLURM: runs in a row that stop where they resumed (no step, no evaluation): the third is not requeued.
+        stuck = (position or {}).get("stuck", 0) + 1 if (epoch, step) == (start_epoch, start_step) else 0
         began = time.perf_counter()
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, stateful, epoch=epoch, step=step, totals=done, layout=layout,
+            save_checkpoint(args.checkpoint, stateful, epoch=epoch, step=step, totals=done, layout=layout, stuck=stuck,
                             world_size=world_size, batch_size=args.batch_size, accumulate=args.accumulate)
         dist.barrier(group=rank0_work)
-        saved = (f"saved in {time.perf_counter() - began:.1f} s, exit code {STOPPED} to be requeued" if args.checkpoint
-                 else "no --checkpoint, so nothing is saved and the job is not requeued (it would start over)")
-        if is_main and signum:  # SLURM: after a stop signal; STOPPED has the batch script requeue the job
-            print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}", flush=True)
-        elif is_main and args.checkpoint:
-            print(f"saved at epoch {epoch + 1} step {step} (--save-every {args.save_every:g})", flush=True)
-        return STOPPED if args.checkpoint else 0
+        saved = ("no --checkpoint, so nothing is saved and the job is not requeued (it would start over)" if not
+                 args.checkpoint else f"saved in {time.perf_counter() - began:.1f} s, " + (f"exit code {STOPPED} to be "
+                 "requeued" if stuck < 3 else f"exit code 1, not requeued: {stuck} runs in a row stopped before a "
+                 "step or an evaluation (give the job more time than its start-up and the signal's lead)"))
+        if is_main and (signum or args.checkpoint):  # SLURM: after a stop signal, STOPPED has the batch script requeue
+            print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}" if signum else
+                  f"saved at epoch {epoch + 1} step {step} (--save-every {args.save_every:g})", flush=True)
+        return 1 if stuck >= 3 else STOPPED if args.checkpoint else 0
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
@@ -389,10 +394,9 @@ def train(args, rank, world_size, device):
             (loss_sum, count, trained), step, signum = train_one_epoch(  # SLURM: up to where all ranks stopped, or None
                 args, ddp_model, train_loader, optimizer, scheduler, device, epoch, step)
             done, samples = [done[0] + loss_sum, done[1] + count], samples + trained
+            code = save_position(epoch, step, signum) if step is not None else 0
             if signum:
-                return save_position(epoch, step, signum)
-            if step is not None:
-                save_position(epoch, step)
+                return code
         train_time = time.perf_counter() - start
         test_loss, metric, count = evaluate(model, test_loader, device)
         if signum := stop_requested(device)[0]:  # SLURM: a stop signal in evaluate(): the next run evaluates again
@@ -411,11 +415,12 @@ def train(args, rank, world_size, device):
 def run(args):
     """One task of the job, as submitit starts it on every node."""
     # submitit: ours replace its handlers, whose `scontrol requeue` an image without Slurm cannot run: as in 05, the
-    # tasks exit with STOPPED, which the batch script's teardown (or --local's controller) turns into a requeue.
-    catch_stop_signals()
-    # submitit: the rendezvous variables, with the MASTER_PORT that the batch script found free (see main()).
+    catch_stop_signals()  # tasks exit with STOPPED, which the batch script's teardown (or --local's) requeues
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
+    rank, local_rank, world_size = env.rank, env.local_rank, env.world_size  # MASTER_PORT: the batch script's (main())
+    if "SLURM_SUBMIT_DIR" in os.environ:  # SLURM: as parse_args, in the task; without --checkpoint, one per job as
+        args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint or  # 05's: requeues resume it
+                                       f"checkpoints/ddp-submitit-{os.environ['SLURM_JOB_ID']}.pt")
     check_launch(args.checkpoint, rank, local_rank)  # SLURM: before setup()
     device = setup(rank, local_rank, world_size, args.collective_timeout)
     code = train(args, rank, world_size, device)
@@ -427,21 +432,18 @@ def run(args):
 def main():
     args = parse_args()
     # submitit: the job inherits these from an allocation or torchrun; TorchDistributedEnvironment would take them.
-    stale = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]
-    if args.local:  # an allocation's job and layout, which check_launch would take for those of these tasks
-        stale += ["SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID",
-                  "SLURM_RESTART_COUNT"]
-    for name in stale:
+    for name in ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] + args.local * [
+            "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_RESTART_COUNT",
+            "SLURM_SUBMIT_DIR"]:  # --local: an allocation's job and layout, which check_launch would take for its own
         os.environ.pop(name, None)
-    # submitit: Slurm when there is one (or --local: processes here); a new log folder for every launch.
-    folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))
+    folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))  # submitit: a new log folder every launch
     executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None, slurm_python=args.python)
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
-                               timeout_min=args.timeout_min, slurm_partition=args.partition, slurm_account=args.account,
+                               timeout_min=args.timeout_min,
                                # submitit: as 05's submit.sh, which says why; the threads (srun passes them on) and,
                                # on the first node, a port that no process there listens on (bash: no Python needed).
-                               slurm_signal_delay_s=120, slurm_additional_parameters={"requeue": True},
+                               slurm_additional_parameters=dict(args.sbatch or (), requeue=True, signal="USR2@120"),
                                slurm_srun_args=[*args.srun_args.split(), "--kill-on-bad-exit=0", "--wait=30",
                                                 f"--cpus-per-task={args.cpus_per_task}"],
                                slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",
@@ -451,7 +453,8 @@ def main():
                                slurm_teardown=[f'status=$?; if [ $status = {STOPPED} ]; then scontrol requeue '
                                                '"$SLURM_JOB_ID"; fi; exit $status'])
     if executor.cluster == "slurm":  # submitit: None drops its --wckey=submitit, which sites that enforce wckeys reject
-        executor._executor.update_parameters(wckey=args.wckey)  # (AutoExecutor's own would ignore a None)
+        executor._executor.update_parameters(wckey=None)  # (AutoExecutor's own would ignore a None); --sbatch wckey=K
+        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint or "checkpoints/-")), exist_ok=True)  # run()'s
     # submitit: the job imports this file as a module, found through the PYTHONPATH it inherits (not __main__, pickled
     # by value), so that workers started by spawn or forkserver find its classes by name when given the dataset.
     here, name = os.path.split(os.path.splitext(os.path.abspath(__file__))[0])

@@ -1,14 +1,17 @@
 """How each process finds its GPU and its rendezvous. setup() of 03-06 under the layouts that real sites give
 a task (all of its node's GPUs, or one bound to it), with CUDA and the process group replaced by recorders,
 and 03's rendezvous port, which no other program can take."""
+import signal
 import socket
 import subprocess
 import sys
+from argparse import Namespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from conftest import REPO, STALE_RENDEZVOUS, child_env, load_step_module
+from conftest import REPO, STALE_RENDEZVOUS, child_env, free_port, load_step_module
 
 
 @pytest.mark.parametrize("step, visible, local_rank, expected", [
@@ -24,6 +27,11 @@ def test_each_process_finds_its_gpu(monkeypatch, capsys, step, visible, local_ra
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(set_device=str(device)))
     monkeypatch.setattr(module.dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    if step != "03_ddp_mpspawn":  # 05's tasks then gather their GPUs' identities (below), each a GPU of its own here
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Namespace(uuid="GPU-5"))
+        monkeypatch.setattr(module.dist, "new_group", lambda backend: backend)
+        monkeypatch.setattr(module.dist, "all_gather_object", lambda found, mine, group: found.__setitem__(
+            slice(None), [("n1", f"GPU-{rank}") for rank in range(len(found))]))
     monkeypatch.setenv("MASTER_ADDR", "n1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(visible))))
@@ -89,6 +97,41 @@ def test_a_wrong_gpu_launch_is_refused_in_one_line(monkeypatch, tmp_path, step, 
         "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
 
 
+# The GPU (host, UUID) of each task of a job of 4 tasks on 2 nodes, as setup() gathers them after init_process_group.
+@pytest.mark.parametrize("gpus, shared", [
+    ([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-c"), ("n2", "GPU-d")], None),  # one GPU each
+    # --gpu-bind=map_gpu:0 on n2 (or under ConstrainDevices, where each task's GPU is its cuda:0 and indices tell
+    # nothing): tasks 2 and 3 on one GPU, which NCCL refuses with a traceback on every rank
+    ([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-c"), ("n2", "GPU-c")], "[(2, 'n2', 'GPU-c'), (3, 'n2', 'GPU-c')]"),
+    ([("n1", "GPU-a"), ("n1", "GPU-a"), ("n2", "GPU-c"), ("n2", "GPU-d")], "[(0, 'n1', 'GPU-a'), (1, 'n1', 'GPU-a')]"),
+])
+def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, gpus, shared):
+    """Every task ends (none waits in a collective for the others), and rank 0 names those that share a GPU in one
+    line; the GPUs' identities travel over Gloo, as NCCL itself fails on a shared GPU."""
+    module = load_step_module("05_ddp_slurm")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # each task sees the one GPU it is bound to
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(module.dist, "init_process_group", lambda backend, **kw: None)
+    monkeypatch.setattr(module.dist, "new_group", lambda backend: backend)
+    monkeypatch.setenv("MASTER_ADDR", "n1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    for rank, (host, uuid) in enumerate(gpus):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, uuid=uuid: Namespace(uuid=uuid))
+
+        def all_gather_object(found, mine, group, uuid=uuid):
+            assert mine == (socket.gethostname(), uuid) and group == "gloo"
+            found[:] = gpus
+        monkeypatch.setattr(module.dist, "all_gather_object", all_gather_object)
+        if shared is None:
+            assert str(module.setup(rank, rank % 2, len(gpus), 600)) == "cuda:0"
+            continue
+        with pytest.raises(SystemExit) as exited:
+            module.setup(rank, rank % 2, len(gpus), 600)
+        assert exited.value.code == (1 if rank else f"error: tasks share a GPU (task, host, UUID): {shared}: give each "
+                                     "its own GPU")
+
+
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
 def test_a_missing_checkpoint_folder_and_a_requeue_that_starts_over(monkeypatch, capsys, tmp_path, step):
     """Under Slurm the checkpoint folder is not made in the task (in a container without its mount, it would be
@@ -113,23 +156,29 @@ def test_a_missing_checkpoint_folder_and_a_requeue_that_starts_over(monkeypatch,
 
 
 def test_06_writes_the_account_no_wckey_and_the_container_into_its_job(tmp_path):
-    """The batch script that submitit writes for 06 (an sbatch that keeps it and refuses to submit): --account,
-    no wckey unless asked for (submitit's own, "submitit", is rejected where wckeys are enforced), and tasks in a
-    container: its flags on the srun line, and the image's python instead of this one, absent there."""
+    """The batch script that submitit writes for 06 (an sbatch that keeps it and refuses to submit): the sbatch
+    options a site requires (--sbatch, repeated: an account, a QOS, memory per GPU, --exclusive), no wckey unless
+    asked for (submitit's own, "submitit", is rejected where wckeys are enforced), and tasks in a container: its flags
+    on the srun line, and the image's python instead of this one, absent there. The checkpoint's folder (checkpoints/
+    without --checkpoint) is made here, on the host, in the folder that will be the job's submit folder."""
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "sbatch").write_text('#!/bin/sh\nfor last; do :; done\ncp "$last" "$KEEP"\nexit 1\n')
     (tmp_path / "bin" / "sbatch").chmod(0o755)
     scripts = []
-    for extra in ([], ["--wckey", "ml"]):
+    for extra in (["--sbatch", "qos=high", "--sbatch", "mem-per-gpu=32G", "--sbatch=--exclusive"],
+                  ["--sbatch", "wckey=ml", "--checkpoint", "mine/ckpt.pt"]):
         keep = tmp_path / f"job{len(scripts)}.sh"
-        subprocess.run([sys.executable, "06_ddp_submitit/train.py", "--nodes", "2", "--gpus-per-node", "4",
-                        "--account", "proj42", "--python", "python3", "--srun-args",
+        subprocess.run([sys.executable, REPO / "06_ddp_submitit/train.py", "--nodes", "2", "--gpus-per-node", "4",
+                        "--sbatch", "account=proj42", "--python", "python3", "--srun-args",
                         "--container-image=nvcr.io/nvidia/pytorch:24.05-py3 --container-mounts=/scratch", "--log-dir",
-                        str(tmp_path / "logs"), *extra], cwd=REPO, timeout=120, capture_output=True,
+                        str(tmp_path / "logs"), *extra], cwd=tmp_path, timeout=120, capture_output=True,
                        env=child_env(KEEP=str(keep), PATH=f"{tmp_path / 'bin'}:{child_env()['PATH']}"))
         scripts.append(keep.read_text())
     assert "#SBATCH --account=proj42\n" in scripts[0] and "wckey" not in scripts[0]
+    assert all(f"#SBATCH --{option}\n" in scripts[0] for option in ("qos=high", "mem-per-gpu=32G", "exclusive"))
+    assert "#SBATCH --requeue\n" in scripts[0] and "qos" not in scripts[1]
     assert "#SBATCH --wckey=ml\n" in scripts[1]
+    assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "mine").is_dir()
     srun = next(line for line in scripts[0].splitlines() if line.startswith("srun "))
     assert " --container-image=nvcr.io/nvidia/pytorch:24.05-py3 --container-mounts=/scratch " in srun
     assert " python3 -u -m submitit.core._submit " in srun and sys.executable not in srun
@@ -185,3 +234,94 @@ def test_05_started_by_srun_with_torchrun_like_variables_is_checked(monkeypatch)
     with pytest.raises(SystemExit) as exited:
         module.main()
     assert "1 tasks and 2 GPUs" in str(exited.value.code), exited.value.code
+
+
+def start_task_in_a_container(monkeypatch, tmp_path, step, **env):
+    """A one-task job of step on the CPU, in this process: its task starts in a working folder that is not the
+    submit folder (a container's: NGC images start in /workspace), with a stop signal pending from the start, so
+    that it stops before its first step and saves. Returns (the submit folder, the working folder, the module)."""
+    module = load_step_module(step)
+    submit, workdir = tmp_path / "submit", tmp_path / "workspace"
+    (submit / "checkpoints").mkdir(parents=True)  # made on the host: submit.sh, 06's launcher
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in dict(SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_LOCALID="0",
+                            SLURM_NODEID="0", SLURM_NTASKS="1", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="127.0.0.1",
+                            SLURM_SUBMIT_DIR=str(submit), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                            **env).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(module, "catch_stop_signals", lambda: None)  # not in the test's own process
+    monkeypatch.setattr(signal, "sigpending", lambda: {signal.SIGUSR2})  # what signalled() finds pending
+    return submit, workdir, module
+
+
+def stopped(call):
+    """call()'s exit code; the process group it left, if any, destroyed."""
+    try:
+        with pytest.raises(SystemExit) as exited:
+            call()
+        return exited.value.code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_05_saves_a_relative_checkpoint_in_the_submit_folder(monkeypatch, capsys, tmp_path):
+    """A relative --checkpoint (a user's, through submit.sh's "$@") is the submit folder's, not the working folder's
+    of a container, whose files are thrown away with it: every requeue would start over."""
+    submit, workdir, module = start_task_in_a_container(monkeypatch, tmp_path, "05_ddp_slurm")
+    monkeypatch.setattr(sys, "argv", ["05_ddp_slurm/train.py", "--dataset", "synthetic", "--epochs", "1",
+                                      "--checkpoint", "checkpoints/mine.pt"])
+    code = stopped(module.main)
+    output = capsys.readouterr().out
+    assert code == 144, (code, output)
+    assert "stopped at epoch 1 step 0 on SIGUSR2: saved in " in output, output
+    assert (submit / "checkpoints" / "mine.pt").exists() and not list(workdir.iterdir())
+
+
+def test_04_under_slurm_takes_a_relative_checkpoint_as_the_submit_folders(monkeypatch, capsys, tmp_path):
+    """04's processes in submit.sh's job (torchrun's, in a container's working folder) resolve a relative
+    --checkpoint against the submit folder, and refuse a folder missing there: made by the task in a container that
+    lacks its mount, it would keep every save in the image's throwaway files, and a requeue would start over."""
+    module = load_step_module("04_ddp_torchrun")
+    submit, workdir = tmp_path / "submit", tmp_path / "workspace"
+    submit.mkdir()
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_SUBMIT_DIR", str(submit))
+    monkeypatch.setattr(sys, "argv", ["04_ddp_torchrun/train.py", "--checkpoint", "checkpoints/ddp-torchrun-7.pt"])
+    with pytest.raises(SystemExit) as exited:
+        module.parse_args()
+    assert exited.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        f"train.py: error: no checkpoint folder {submit}/checkpoints on {socket.gethostname()}: make it before the "
+        "job (submit.sh does), and mount it there in a container")
+    (submit / "checkpoints").mkdir()  # as submit.sh makes it, on the host
+    assert module.parse_args().checkpoint == f"{submit}/checkpoints/ddp-torchrun-7.pt"
+
+def test_06_checkpoints_in_the_submit_folder_by_default_one_per_job(monkeypatch, capsys, tmp_path):
+    """06 on Slurm without --checkpoint: its tasks save in checkpoints/ddp-submitit-JOBID.pt of the submit folder (as
+    05's submit.sh names it: a requeue, under the same job id, resumes it) and exit to be requeued, where they used to
+    save nothing and end the job as COMPLETED; a relative --checkpoint is the submit folder's, resolved in the task
+    (the launcher's shell is no job), not the working folder's of a container."""
+    submit, workdir, module = start_task_in_a_container(monkeypatch, tmp_path, "06_ddp_submitit",
+                                                        SUBMITIT_EXECUTOR="slurm", SLURM_JOB_NAME="ddp-submitit")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # run() exports them: undone at the end
+        monkeypatch.setenv(name, "0")
+    for extra in ([], ["--checkpoint", "checkpoints/mine.pt"]):
+        monkeypatch.setattr(sys, "argv", ["06_ddp_submitit/train.py", "--dataset", "synthetic", "--epochs", "1",
+                                          "--gpus-per-node", "0", *extra])
+        monkeypatch.delenv("SLURM_SUBMIT_DIR")  # the launcher's shell, on a login node
+        args = module.parse_args()
+        monkeypatch.setenv("SLURM_SUBMIT_DIR", str(submit))  # the job's tasks
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        code = stopped(lambda: module.run(args))
+        output = capsys.readouterr().out
+        assert code == 144 and "stopped at epoch 1 step 0 on SIGUSR2: saved in " in output, (code, output)
+    assert sorted(path.name for path in (submit / "checkpoints").iterdir()) == ["ddp-submitit-4242.pt", "mine.pt"]
+    assert not list(workdir.iterdir())
+

@@ -132,7 +132,8 @@ def test_a_users_stateful_object_is_not_in_the_position_the_ranks_compare(counte
     finally:
         dist.destroy_process_group()
     assert gathered == [position] and position["step"] == HOLD, gathered
-    assert sorted(position) == ["accumulate", "batch_size", "epoch", "layout", "step", "totals", "world_size"], position
+    assert sorted(position) == ["accumulate", "batch_size", "epoch", "layout", "step", "stuck", "totals",
+                                "world_size"], position
     assert counter.steps == HOLD
 
 

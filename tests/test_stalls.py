@@ -1,0 +1,59 @@
+"""A job whose runs keep stopping without progress is not requeued for ever. A time limit that the start-up and
+the signal's lead use up (a big data load, a short --time for a first try) stops every run before its first step,
+and the batch script would requeue it again and again. The runs here are 05's train() in this process, stopped by
+a stop signal that signalled() finds pending from a point the test chooses: from the start, at the first batch of
+an evaluation, or once the end-of-epoch checkpoint is written."""
+import re
+import signal
+
+import pytest
+import torch
+
+from conftest import STEPS_PER_EPOCH, SYNTHETIC, train_in_process
+
+REQUEUE_CODE = 144
+
+
+def test_the_third_run_in_a_row_without_progress_ends_the_job(monkeypatch, capsys, tmp_path):
+    """Runs that stop where they resumed, with no step trained and no evaluation finished, count in the checkpoint;
+    the third in a row ends with one line and exit code 1, which submit.sh and 06's batch script do not requeue. A run
+    that resumes at the end of an epoch and finishes its evaluation has made progress, even if it trains no step."""
+    pending, when = set(), {}
+    monkeypatch.setattr(signal, "sigpending", lambda: set(pending))  # what signalled() finds
+    save = torch.save
+
+    def save_then_stop(*args, **kwargs):  # the end-of-epoch checkpoint written, then the signal
+        save(*args, **kwargs)
+        pending.update({signal.SIGUSR2} if when.get("after_save") else ())
+    monkeypatch.setattr(torch, "save", save_then_stop)
+
+    def stop_in_evaluation(module, inputs, output):
+        if not module.training and when.get("in_evaluation"):
+            pending.add(signal.SIGUSR2)
+    hook = torch.nn.modules.module.register_module_forward_hook(stop_in_evaluation)
+    checkpoint = tmp_path / "ckpt.pt"
+    runs = []
+    try:
+        for stop in ["in_evaluation"] * 3 + ["after_save"] + ["start"] * 3:
+            pending.clear()
+            pending.update({signal.SIGUSR2} if stop == "start" else ())
+            when.clear()
+            when[stop] = True
+            code, output = train_in_process("05_ddp_slurm", [*SYNTHETIC, "--batch-size", "64", "--epochs", "2",
+                                                             "--test-batch-size", "100", "--checkpoint",
+                                                             str(checkpoint)], capsys)
+            saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+            runs.append((code, saved["epoch"], saved.get("step"), saved.get("stuck"), output))
+    finally:
+        hook.remove()
+    # The first run trains epoch 1 and stops in its evaluation: progress. The next two resume there and stop in
+    # the evaluation again: none. The fourth finishes it (its epoch line) and stops at the next epoch's first step.
+    assert [run[:4] for run in runs] == [
+        (REQUEUE_CODE, 0, STEPS_PER_EPOCH, 0), (REQUEUE_CODE, 0, STEPS_PER_EPOCH, 1),
+        (REQUEUE_CODE, 0, STEPS_PER_EPOCH, 2), (REQUEUE_CODE, 1, 0, 0), (REQUEUE_CODE, 1, 0, 1), (REQUEUE_CODE, 1, 0, 2),
+        (1, 1, 0, 3)], [r[4] for r in runs]
+    assert "epoch 1/2 |" in runs[3][4] and "epoch 1/2 |" not in "".join(run[4] for run in runs[:3])
+    stops = [line for line in runs[-1][4].splitlines() if line.startswith("stopped")]
+    assert len(stops) == 1 and re.fullmatch(
+        r"stopped at epoch 2 step 0 on SIGUSR2: saved in [\d.]+ s, exit code 1, not requeued: 3 runs in a row stopped "
+        r"before a step or an evaluation \(give the job more time than its start-up and the signal's lead\)", stops[0]), stops
