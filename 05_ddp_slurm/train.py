@@ -7,7 +7,6 @@ On SIGUSR2 (before the time limit) or SIGTERM (a preemption, scancel) all ranks 
 saves the position in the epoch, and submit.sh requeues the job, which resumes at that step.
 """
 import argparse
-import glob
 import math
 import multiprocessing.resource_tracker
 import os
@@ -258,10 +257,11 @@ def load_checkpoint(path, stateful, group):
 def check_launch(checkpoint, rank, local_rank):
     """SLURM: a wrong launch ends here with one line, before any rank waits for another. Slurm's own counts decide
     (no login profile sets them): no CPU run on GPU nodes, no GPU idle or shared by tasks, no silent start over."""
-    # SLURM_GPUS_ON_NODE where the site declares GPUs as gres, else the node's: its GPU device files (GPU_DEVICES:
-    # their glob), which a node whose driver is down keeps, or CUDA's count where it finds more.
-    devices = glob.glob(os.environ.get("GPU_DEVICES", "/dev/nvidia[0-9]*"))
-    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or max(len(devices), torch.cuda.device_count()))
+    # SLURM_GPUS_ON_NODE where the site declares GPUs as gres, else the node's: its GPU device files, which stay where
+    # the driver is down (GPU_DEVICES and a number; empty: none), or CUDA's count where it finds more.
+    files = os.environ.get("GPU_DEVICES", "/dev/nvidia")
+    devices = sum(os.path.exists(f"{files}{index}") for index in range(64) if files)
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or max(devices, torch.cuda.device_count()))
     where = f"error: task {rank} on {socket.gethostname()}"
     tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(gpus)).split(",")  # "4(x2),2": 4,4,2
              for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
