@@ -18,7 +18,7 @@ from test_slurm import accounted_runs, job_state, read
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm")]  # on this worker's pair (conftest.py)
 N1, N2 = SLURM_NODES  # this worker's pair of nodes
 WIDE = [f"{os.environ.get('SLURM_TEST_NODE_PREFIX', 'n')}w{i}" for i in (1, 2)]  # partition wide: 4 CPUs a node
-STAND_INS = f"{SLURM_DIR}/gpu[0-9]*"  # the device files of the test cluster's GPUs (tests/slurm_cluster.sh)
+STAND_INS = f"{SLURM_DIR}/gpu"  # the device files of the test cluster's GPUs (tests/slurm_cluster.sh)
 
 
 def without_cpus_per_task(script):
@@ -123,6 +123,7 @@ def test_05_as_shipped_gives_each_of_4_gpus_a_node_a_task(tmp_path):
     assert code == 0, log
     assert sorted((host, int(rank), visible, index, gpu) for host, rank, visible, index, gpu, _ in gpus) == [
         (WIDE[rank // 4], rank, "0,1,2,3", str(rank % 4), str(rank % 4)) for rank in range(8)], log
+    assert "8 tasks of 1 cores" in log, log
 
 
 def test_04_takes_its_gpus_and_cores_from_a_step_under_exclusive(tmp_path):
