@@ -257,8 +257,7 @@ def load_checkpoint(path, stateful, group):
 def check_launch(checkpoint, rank, local_rank):
     """SLURM: a wrong launch ends here with one line, before any rank waits for another. Slurm's own counts decide
     (no login profile sets them): no CPU run on GPU nodes, no GPU idle or shared by tasks, no silent start over."""
-    # SLURM_GPUS_ON_NODE where the site declares GPUs as gres, else the node's: its GPU device files, which stay where
-    # the driver is down (GPU_DEVICES and a number; empty: none), or CUDA's count where it finds more.
+    # SLURM_GPUS_ON_NODE (gres), else the GPU device files (GPU_DEVICES + N), which a dead driver keeps, or CUDA's count
     files = os.environ.get("GPU_DEVICES", "/dev/nvidia")
     devices = sum(os.path.exists(f"{files}{index}") for index in range(64) if files)
     gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or max(devices, torch.cuda.device_count()))
