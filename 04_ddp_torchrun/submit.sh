@@ -6,13 +6,14 @@
 # --partition/--account if your site needs them) and the environment line. Options on the sbatch
 # command line override these lines, e.g. a CPU-only run on two nodes, two processes on each:
 #   sbatch --gpus-per-node=0 --cpus-per-task=2 04_ddp_torchrun/submit.sh --dataset synthetic
-# Environment: NPROC_PER_NODE (default: the node's GPUs, or 2), MAX_RESTARTS (default 3), RDZV_PORT
-# (default: see below), PYTHON (default: python on PATH), TRAIN_PY.
+# Environment: NPROC_PER_NODE (default: the node's GPUs, or 2), GPU_DEVICES (see below), MAX_RESTARTS (default
+# 3), RDZV_PORT (default: see below), PYTHON (default: python on PATH), TRAIN_PY.
 #SBATCH --job-name=ddp-torchrun     # shown by squeue; the %x in the log name
 #SBATCH --nodes=2                   # machines
 #SBATCH --ntasks-per-node=1         # one task per machine: torchrun, which starts the processes (05: one per GPU)
 #SBATCH --gpus-per-node=4           # GPUs per machine: torchrun starts one process for each
 #SBATCH --cpus-per-task=32          # cores per machine, shared by its processes' threads and data-loader workers
+#                                   # For --cpus-per-gpu instead, delete this line: sbatch refuses both
 #SBATCH --time=01:00:00             # wall-clock limit; no --signal: this train.py has no handler (see below)
 #SBATCH --requeue                   # a preempted (or `scontrol requeue`d) job goes back to the queue
 #SBATCH --open-mode=append          # a requeued job appends to its log instead of overwriting it
@@ -29,14 +30,21 @@ if [[ ${SLURM_NTASKS:-$SLURM_NNODES} != "$SLURM_NNODES" ]]; then
     "(--ntasks-per-node=1); torchrun starts one process per GPU (05_ddp_slurm/submit.sh wants a task per GPU)" >&2
   exit 1
 fi
-# One process per GPU the job has on a node (SLURM_GPUS_ON_NODE), 2 on nodes without GPUs.
-NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
-((NPROC_PER_NODE > 0)) || NPROC_PER_NODE=2
+# One process per GPU of a node as a job step sees them, not this script: under --exclusive it may see all of the
+# node's while a step has those asked for. A step on every node says: SLURM_GPUS_ON_NODE where the site declares
+# GPUs as gres, else its GPU device files (a site without gres; GPU_DEVICES and a number; empty: none). The
+# most of any node (a node with fewer fails the check below); 2 processes on nodes without GPUs.
+export GPU_DEVICES=${GPU_DEVICES-/dev/nvidia}
+GPUS=$(srun --ntasks-per-node=1 bash -c 'shopt -s nullglob; devices=(${GPU_DEVICES:+$GPU_DEVICES[0-9]*})
+  echo "${SLURM_GPUS_ON_NODE:-${#devices[@]}}"' | sort -n | sed -n '$p')
+NPROC_PER_NODE=${NPROC_PER_NODE:-$((GPUS > 0 ? GPUS : 2))}
 # The task's cores are shared by its processes, and each process's share is split so that nothing runs on
 # top of anything else: data-loader workers (one core each) and its threads. Half are workers (32 cores and
 # 4 processes: 4 workers and 4 threads each; fewer cores than processes: none), or as many as --workers N
-# after the script says, and the threads get the rest (at least one).
-CPUS=${SLURM_CPUS_PER_TASK:-1}
+# after the script says, and the threads get the rest (at least one). The cores: whichever Slurm set,
+# --cpus-per-task, --cpus-per-gpu (times the GPUs), or else the node's share (all of it under --exclusive).
+CPUS=${SLURM_CPUS_PER_TASK:-$((${SLURM_CPUS_PER_GPU:-0} * GPUS))}
+((CPUS > 0)) || CPUS=$SLURM_CPUS_ON_NODE
 CORES=$((CPUS / NPROC_PER_NODE > 0 ? CPUS / NPROC_PER_NODE : 1))
 WORKERS=$((CORES / 2))
 previous=""
@@ -59,11 +67,11 @@ RDZV_PORT=${RDZV_PORT:-$(for ((i = 0; i < 12000; i++)); do port=$((20000 + (SLUR
 # One process per GPU that CUDA finds on every node, checked there in seconds before torchrun starts: a node
 # whose driver is down would train on the CPU, NPROC_PER_NODE other than its GPUs leave some idle or shared.
 # (In a container, add its flags to this srun line too.)
-if ((${SLURM_GPUS_ON_NODE:-0} > 0)); then
+if ((GPUS > 0)); then
   srun --ntasks-per-node=1 "$PYTHON" -c "import socket, sys, torch
 found = torch.cuda.device_count() if torch.cuda.is_available() else 0
 sys.exit(found != $NPROC_PER_NODE and f'error: {socket.gethostname()}: CUDA finds {found} of its'
-         ' $SLURM_GPUS_ON_NODE GPUs for $NPROC_PER_NODE processes: one process per working GPU (nvidia-smi)')"
+         ' $GPUS GPUs for $NPROC_PER_NODE processes: one process per working GPU (nvidia-smi)')"
 fi
 # After a restart, workers that share torchrun's own rendezvous store can read the previous round's
 # addresses and fail or hang (pytorch/pytorch#135712; README.md says how often our restart test did).
@@ -73,7 +81,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 mkdir -p "$SLURM_SUBMIT_DIR/checkpoints"
 
 echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $NPROC_PER_NODE processes" \
-  "per node, rendezvous $RDZV_HOST:$RDZV_PORT"
+  "per node ($GPUS GPUs, $CPUS cores), rendezvous $RDZV_HOST:$RDZV_PORT"
 # Preemption, `scontrol requeue` and the time limit stop the processes where they are (torchrun forwards
 # SIGTERM and dies of SIGUSR2; this train.py handles neither): a requeued job resumes after the last epoch
 # that ended, one at its time limit ends (04_ddp_torchrun/README.md, A Slurm stop). 05 saves inside an epoch.

@@ -10,6 +10,7 @@
 #SBATCH --ntasks-per-node=4         # processes per machine: one per GPU, so equal to --gpus-per-node
 #SBATCH --gpus-per-node=4           # GPUs per machine; task N of a machine takes its GPU N
 #SBATCH --cpus-per-task=8           # cores per process: its threads and its data-loader workers
+#                                   # For --cpus-per-gpu instead, delete this line: sbatch refuses both
 ##SBATCH --mem-per-gpu=32G          # memory per GPU, so per task: delete one '#' where the default per core is too small
 #SBATCH --time=01:00:00             # wall-clock limit
 #SBATCH --signal=USR2@120           # SIGUSR2 to every task 120 s before the limit: save, and requeue (below).
@@ -36,8 +37,10 @@ MASTER_PORT=${MASTER_PORT:-$(for ((i = 0; i < 12000; i++)); do port=$((20000 + (
 export MASTER_ADDR MASTER_PORT
 # The task's cores, split so that nothing runs on top of anything else: data-loader workers (one core each)
 # and the main process's threads. Half are workers (8 cores: 4 workers, 4 threads; 1: none), or as many as
-# --workers N after the script says, and the threads get the rest (at least one).
-CPUS=${SLURM_CPUS_PER_TASK:-1}
+# --workers N after the script says, and the threads get the rest (at least one). The cores: whichever Slurm set,
+# --cpus-per-task, --cpus-per-gpu (a task has one GPU), or else the node's share (all of it under --exclusive).
+TASKS=${SLURM_TASKS_PER_NODE%%[(,]*}  # this node's: "4(x2),2" gives 4
+CPUS=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_PER_GPU:-$((SLURM_CPUS_ON_NODE / TASKS))}}
 WORKERS=$((CPUS / 2))
 previous=""
 for arg in "$@"; do
@@ -49,12 +52,13 @@ export OMP_NUM_THREADS=$((CPUS > WORKERS ? CPUS - WORKERS : 1))
 # Checkpoints by absolute path, in a folder made here on the host: tasks in a container whose working folder is
 # another, or where this folder is not mounted, would write into the image's throwaway files (train.py refuses a
 # missing folder). Export CHECKPOINT_DIR to choose another; data: copy it to node-local disk here if you need to,
-# e.g. srun --ntasks-per-node=1 cp -r data "$TMPDIR/" (then --data-dir "$TMPDIR/data").
+# once per node: srun --ntasks-per-node=1 --ntasks="$SLURM_NNODES" cp -r data "${TMPDIR:-/tmp}/" (then
+# --data-dir "${TMPDIR:-/tmp}/data").
 CHECKPOINT_DIR=${CHECKPOINT_DIR:-$SLURM_SUBMIT_DIR/checkpoints}
 mkdir -p "$CHECKPOINT_DIR"
 
-echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks," \
-  "master $MASTER_ADDR:$MASTER_PORT"
+echo "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: nodes $SLURM_JOB_NODELIST, $SLURM_NTASKS tasks of" \
+  "$CPUS cores, master $MASTER_ADDR:$MASTER_PORT"
 # srun -c: Slurm 22.05 to 23.02 do not pass sbatch's --cpus-per-task on to srun. --wait=30 ends the other tasks
 # 30 s after the first one ends, instead of leaving them in a collective; --kill-on-bad-exit=0 keeps a site's
 # KillOnBadExit=1 from killing them at the first 144 before they leave (05_ddp_slurm/README.md says more).

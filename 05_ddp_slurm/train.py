@@ -257,8 +257,10 @@ def load_checkpoint(path, stateful, group):
 def check_launch(checkpoint, rank, local_rank):
     """SLURM: a wrong launch ends here with one line, before any rank waits for another. Slurm's own counts decide
     (no login profile sets them): no CPU run on GPU nodes, no GPU idle or shared by tasks, no silent start over."""
-    # SLURM_GPUS_ON_NODE where the site declares GPUs as gres (else the node's, as CUDA counts them).
-    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or torch.cuda.device_count())
+    # SLURM_GPUS_ON_NODE (gres), else the GPU device files (GPU_DEVICES + N), which a dead driver keeps, or CUDA's count
+    files = os.environ.get("GPU_DEVICES", "/dev/nvidia")
+    devices = sum(os.path.exists(f"{files}{index}") for index in range(64) if files)
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or max(devices, torch.cuda.device_count()))
     where = f"error: task {rank} on {socket.gethostname()}"
     tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(gpus)).split(",")  # "4(x2),2": 4,4,2
              for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]

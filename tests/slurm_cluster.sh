@@ -3,7 +3,7 @@
 # without a cluster.
 #
 #   sudo tests/slurm_cluster.sh start     # install what is missing, start munged, MariaDB, slurmdbd, slurmctld,
-#                                         # and a slurmd for each node (n1 to n8)
+#                                         # and a slurmd for each node (n1 to n8, nw1 and nw2)
 #   export SLURM_CONF=/tmp/ddp-ladder-slurm/slurm.conf   # what start prints: the Slurm commands find the cluster
 #   sbatch 05_ddp_slurm/submit.sh ...      # then use it like any cluster (see tests/README.md)
 #   sudo tests/slurm_cluster.sh stop      # stop exactly what start started and undo its changes
@@ -13,7 +13,9 @@
 # exists only on this machine), so MASTER_ADDR resolution and cross-node rendezvous are exercised as on a real
 # cluster. The nodes come in pairs, each pair with partitions of its own: low (the default) and high on n1 and
 # n2, low1 and high1 on n3 and n4, and so on. A job of a high partition preempts the jobs of its pair's low one
-# and no other, so that the tests can run side by side, each on its own pair (tests/README.md). Every node
+# and no other, so that the tests can run side by side, each on its own pair (tests/README.md); its pair's cancel
+# partition is low with PreemptMode=CANCEL. One more pair, nw1 and nw2 (partition wide), declares 4 CPUs a node,
+# more than the machine has, so that 05's submit.sh runs as shipped, 4 tasks a node (unbound). Every node
 # declares 4 GPUs as Slurm gres (character devices that stand in for them), as a GPU cluster's nodes do; a job
 # that asks for none (--gpus-per-node=0) runs as on a CPU cluster. Accounting works as at real sites:
 # slurmctld records every job through slurmdbd in a MariaDB server of its own, so sacct (and submitit, which
@@ -29,7 +31,8 @@
 #                           ddpl
 #   SLURM_TEST_SUBNET       private /24 of the bridge (default 10.213.0); change it if it clashes with yours
 #   SLURM_TEST_NODE_PREFIX  the nodes' names: PREFIX1, PREFIX2, ... (default n)
-#   SLURM_TEST_PAIRS        pairs of nodes (default 4: 8 nodes), one for each test that runs at the same time
+#   SLURM_TEST_PAIRS        pairs of nodes (default 4: 8 nodes), one for each test that runs at the same time;
+#                           the wide pair comes on top
 #   SLURM_TEST_PORT         slurmctld's port; slurmdbd takes PORT + 2 and MariaDB PORT + 3 (default 16817)
 # Start adds a line per node to /etc/hosts, marked with SLURM_TEST_DIR; stop removes those lines only, stops the
 # daemons by the PIDs that start recorded, never by name, and removes $SLURM_TEST_DIR.
@@ -46,6 +49,13 @@ for ((i = 1; i <= 2 * PAIRS; i++)); do NODES+=("$NODE_PREFIX$i"); done
 # 2 CPUs a node, the machine's own two: tasks are bound to cores (task/affinity), so a node cannot declare cores
 # the machine does not have. Every node's jobs share those two cores.
 CPUS_PER_NODE=2
+# One more pair, PREFIXw1 and PREFIXw2 (partition wide), declares WIDE_CPUS CPUs a node so that 05's submit.sh runs
+# with its #SBATCH lines as shipped (4 tasks a node; cores overridden). slurmd takes the count from slurm.conf
+# (SlurmdParameters=config_overrides), but task/affinity cannot bind 4 tasks to 2 cores (srun: "Unable to layout
+# tasks on given cpus"): its tasks are not bound (CpuBind=none) and share the machine's cores.
+WIDE_NODES=("${NODE_PREFIX}w1" "${NODE_PREFIX}w2")
+WIDE_CPUS=4
+NODES+=("${WIDE_NODES[@]}")
 GPUS_PER_NODE=4
 CTLD_PORT=${SLURM_TEST_PORT:-16817}  # the defaults 6817-6819 stay free for a site's own Slurm
 DBD_PORT=$((CTLD_PORT + 2))          # slurmdbd
@@ -84,7 +94,7 @@ spawn() {
 }
 
 write_conf() {
-  local host node nodes i=0
+  local host node nodes cpus i=0
   host=$(hostname -s)
   cat >"$STATE/slurm.conf" <<EOF
 $MARK: written by tests/slurm_cluster.sh
@@ -140,7 +150,8 @@ GresTypes=gpu
 EOF
   for node in "${NODES[@]}"; do
     i=$((i + 1))
-    echo "NodeName=$node NodeAddr=$SUBNET.$((10 + i)) Port=$((17000 + i)) CPUs=$CPUS_PER_NODE" \
+    if [[ " ${WIDE_NODES[*]} " == *" $node "* ]]; then cpus="$WIDE_CPUS CpuBind=none"; else cpus=$CPUS_PER_NODE; fi
+    echo "NodeName=$node NodeAddr=$SUBNET.$((10 + i)) Port=$((17000 + i)) CPUs=$cpus" \
       "Gres=gpu:$GPUS_PER_NODE State=UNKNOWN" >>"$STATE/slurm.conf"
   done
   # Each pair of nodes has its own partitions: its high one preempts its low one and no other. The first pair's
@@ -152,7 +163,12 @@ EOF
     echo "PartitionName=low$suffix Nodes=$nodes$default PriorityTier=1 PreemptMode=REQUEUE GraceTime=30" \
       "State=UP" >>"$STATE/slurm.conf"
     echo "PartitionName=high$suffix Nodes=$nodes PriorityTier=2 PreemptMode=OFF State=UP" >>"$STATE/slurm.conf"
+    # As low, but a preempted job is cancelled, not requeued (PreemptMode=CANCEL, as some sites run it).
+    echo "PartitionName=cancel$suffix Nodes=$nodes PriorityTier=1 PreemptMode=CANCEL GraceTime=30 State=UP" \
+      >>"$STATE/slurm.conf"
   done
+  echo "PartitionName=wide Nodes=${WIDE_NODES[0]},${WIDE_NODES[1]} PriorityTier=1 PreemptMode=OFF State=UP" \
+    >>"$STATE/slurm.conf"
   # The GPUs: character devices with /dev/null's numbers stand in for /dev/nvidia0-3 (slurmd only checks that
   # they exist; no cgroup fences them off here).
   for ((i = 0; i < GPUS_PER_NODE; i++)); do

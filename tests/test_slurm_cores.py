@@ -10,12 +10,14 @@ its loop (workers started by fork, Linux's default before Python 3.14, run no si
 The cases without --workers read the jobs of test_slurm.py's uninterrupted runs (05 and 06 on 2 nodes x 1
 task), which run with this sitecustomize."""
 import json
+import subprocess
 
 import pytest
 
-from conftest import TOLERANCE, max_abs_diff, weights
-from test_slurm import (cores_env, finish, job_id_of, launch_06, read, sbatch_05,  # noqa: F401 (the runs:
-                        submit_sh_runs, submitit_runs)  # fixtures)
+from conftest import REPO, SLURM_NODES, TOLERANCE, max_abs_diff, weights
+from test_slurm import (CORES_SITECUSTOMIZE, cores_env, finish, job_id_of, launch_06, read, sbatch_05,  # noqa: F401
+                        submit_sh_runs, submitit_runs)  # (the runs: fixtures)
+from test_slurm_gpus import sbatch as sbatch_gpus, without_cpus_per_task
 from test_slurm_torchrun import Job
 
 pytestmark = pytest.mark.slurm  # on this worker's own pair of nodes (conftest.py)
@@ -96,3 +98,32 @@ def test_submitit_honours_an_explicit_workers(slurm, reference, tmp_path):
     assert proc.returncode == 0, out + err
     check(trainers_and_workers(env["TEST_CORES_LOG"]), 2, per_loader, out + err)
     assert max_abs_diff(weights(tmp_path / "ckpt.pt"), weights(reference.epoch1)) <= TOLERANCE
+
+
+def test_sbatch_refuses_cpus_per_gpu_beside_the_shipped_cpus_per_task(slurm):
+    """Slurm 22.05 refuses --cpus-per-gpu on the command line beside the script's --cpus-per-task (submit.sh's
+    comment says to delete that line instead)."""
+    done = subprocess.run(["sbatch", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-gpu=2",
+                           "--time=5", "05_ddp_slurm/submit.sh"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0 and "--cpus-per-gpu is mutually exclusive with --cpus-per-task" in done.stderr, done
+
+
+# Jobs of 05 without --cpus-per-task (the #SBATCH line commented out, as a site template has none): the cores that
+# Slurm gives a task by --cpus-per-gpu, or by --exclusive (the node's share). submit.sh took 1.
+CORES_WITHOUT_CPUS_PER_TASK = {"--cpus-per-gpu=2": ["--cpus-per-gpu=2"], "--exclusive": ["--exclusive"]}
+
+
+@pytest.mark.parametrize("cores", CORES_WITHOUT_CPUS_PER_TASK)
+def test_submit_sh_05_takes_the_cores_that_slurm_set(slurm, tmp_path, cores):
+    """1 task and 1 GPU (stood in for: the task stops at its choice of device) a node, on both of its cores."""
+    folder = tmp_path / "job"
+    code, log, gpus, _ = sbatch_gpus(folder, "05_ddp_slurm/submit.sh",
+                                     ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1",
+                                      *CORES_WITHOUT_CPUS_PER_TASK[cores]],
+                                     site=CORES_SITECUSTOMIZE, env={"TEST_CORES_LOG": str(folder / "cores.log")},
+                                     copy=without_cpus_per_task)
+    assert code == 0 and len(gpus) == 2, log
+    assert f"2 tasks of {CPUS} cores" in log, log
+    trainers = trainers_and_workers(folder / "cores.log")
+    assert sorted((t["host"], len(t["cores"]), t["omp"]) for t in trainers) == [
+        (node, CPUS, str(CPUS)) for node in SLURM_NODES], log  # sbatch_gpus passes --workers 0: all for threads

@@ -4,6 +4,7 @@ CUDA is stood in for in the tasks by a sitecustomize that counts the CUDA_VISIBL
 task once it has chosen its device (before set_device and NCCL): each task records the GPU it would take. Without
 the stand-in, CUDA finds no GPU here, as on a node whose driver is down. The batch scripts run with a python that
 exists only inside job steps, as where Python lives in the container alone."""
+import os
 import subprocess
 import sys
 import time
@@ -11,11 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SLURM_NODES, SYNTHETIC, child_env, read_line, wait_for
+from conftest import REPO, SLURM_DIR, SLURM_NODES, SYNTHETIC, child_env, read_line, wait_for
 from test_slurm import accounted_runs, job_state, read
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm")]  # on this worker's pair (conftest.py)
 N1, N2 = SLURM_NODES  # this worker's pair of nodes
+WIDE = [f"{os.environ.get('SLURM_TEST_NODE_PREFIX', 'n')}w{i}" for i in (1, 2)]  # partition wide: 4 CPUs a node
+STAND_INS = f"{SLURM_DIR}/gpu"  # the device files of the test cluster's GPUs (tests/slurm_cluster.sh)
+
+
+def without_cpus_per_task(script):
+    """A copy of a submit.sh whose #SBATCH --cpus-per-task line is commented out, as a site's template has none."""
+    assert script.count("#SBATCH --cpus-per-task=") == 1
+    return script.replace("#SBATCH --cpus-per-task=", "##SBATCH --cpus-per-task=")
 
 FAKE_CUDA = '''
 import os
@@ -46,17 +55,22 @@ def python_in_steps_only(folder):
     return wrapper
 
 
-def sbatch(folder, script, sbatch_args, train_args=(), fake_cuda=True, timeout=120):
-    """sbatch REPO/script from folder (the submit folder) with its #SBATCH lines, overriding sbatch_args only;
-    returns (exit code, the job's log, the GPUs recorded: [(host, rank, CUDA_VISIBLE_DEVICES, index, the node's
-    GPU, --checkpoint)]), seconds."""
+def sbatch(folder, script, sbatch_args, train_args=(), fake_cuda=True, timeout=120, site="", env=(), copy=None):
+    """sbatch REPO/script from folder (the submit folder) with its #SBATCH lines, overriding sbatch_args only (or a
+    copy of it in folder that copy(text) returns); site: more sitecustomize, env: more environment; returns (exit
+    code, the job's log, the GPUs recorded: [(host, rank, CUDA_VISIBLE_DEVICES, index, the node's GPU,
+    --checkpoint)]), seconds."""
     folder.mkdir(exist_ok=True)
-    site = folder / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(FAKE_CUDA)
+    (folder / "site").mkdir(exist_ok=True)
+    (folder / "site" / "sitecustomize.py").write_text(FAKE_CUDA + site)
     env = child_env(PYTHON=str(python_in_steps_only(folder)), TRAIN_PY=str(REPO / script.replace("submit.sh", "train.py")),
-                    PYTHONPATH=str(site), **({"TEST_GPU_LOG": str(folder / "gpus.log")} if fake_cuda else {}))
-    cmd = ["sbatch", "--parsable", "--wait", "--time=5", f"--output={folder}/%j.out", *sbatch_args, str(REPO / script),
+                    PYTHONPATH=str(folder / "site"), **({"TEST_GPU_LOG": str(folder / "gpus.log")} if fake_cuda else {}),
+                    **dict(env))
+    path = REPO / script
+    if copy:
+        path = folder / "submit.sh"
+        path.write_text(copy((REPO / script).read_text()))
+    cmd = ["sbatch", "--parsable", "--wait", "--time=5", f"--output={folder}/%j.out", *sbatch_args, str(path),
            *SYNTHETIC, *train_args]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -100,6 +114,40 @@ def test_04_starts_one_process_per_gpu_with_its_lines_as_shipped(tmp_path):
     assert sorted((host, gpu) for host, _, _, _, gpu, _ in gpus) == [(node, str(g)) for node in (N1, N2) for g in range(4)]
     assert sorted(int(rank) for _, rank, *_ in gpus) == list(range(8)), log
     assert "4 processes per node" in log
+
+
+def test_05_as_shipped_gives_each_of_4_gpus_a_node_a_task(tmp_path):
+    """05's #SBATCH lines as shipped, 2 nodes x 4 tasks x 4 GPUs, with only the cores (1 a task) and the time
+    overridden, on the pair that declares 4 CPUs a node: every task reaches check_launch and takes its GPU."""
+    code, log, gpus, _ = sbatch(tmp_path / "job", "05_ddp_slurm/submit.sh", ["--partition=wide", "--cpus-per-task=1"])
+    assert code == 0, log
+    assert sorted((host, int(rank), visible, index, gpu) for host, rank, visible, index, gpu, _ in gpus) == [
+        (WIDE[rank // 4], rank, "0,1,2,3", str(rank % 4), str(rank % 4)) for rank in range(8)], log
+    assert "8 tasks of 1 cores" in log, log
+
+
+def test_04_takes_its_gpus_and_cores_from_a_step_under_exclusive(tmp_path):
+    """--exclusive --gpus-per-node=2, without --cpus-per-task: Slurm 22.05 gives the batch script all 4 GPUs of its
+    node (SLURM_GPUS_ON_NODE=4, CUDA_VISIBLE_DEVICES=0,1,2,3) and each step the 2 asked for. 04 starts a process
+    per GPU of the step (its check refused "CUDA finds 2 of its 4 GPUs for 4 processes"), on the node's cores."""
+    code, log, gpus, _ = sbatch(tmp_path / "job", "04_ddp_torchrun/submit.sh", ["--exclusive", "--gpus-per-node=2"],
+                                copy=without_cpus_per_task)
+    assert code == 0, log
+    assert sorted((host, gpu) for host, _, _, _, gpu, _ in gpus) == [(N1, "0"), (N1, "1"), (N2, "0"), (N2, "1")], log
+    assert sorted(int(rank) for _, rank, *_ in gpus) == list(range(4)), log
+    assert "2 processes per node (2 GPUs, 2 cores)" in log, log
+
+
+def test_04_counts_the_gpus_of_a_node_without_gres_by_its_device_files(tmp_path):
+    """A site that declares no GPU gres: Slurm sets no SLURM_GPUS_ON_NODE (nor CUDA_VISIBLE_DEVICES), so 04 counts
+    the device files (GPU_DEVICES: the stand-ins') and, where CUDA finds none, stops with one line a node. It took
+    2 processes a node and trained on the CPU."""
+    code, log, gpus, _ = sbatch(tmp_path / "job", "04_ddp_torchrun/submit.sh", ["--gpus-per-node=0", "--cpus-per-task=2"],
+                                ["--epochs", "1"], fake_cuda=False, env={"GPU_DEVICES": STAND_INS})
+    assert code != 0 and not gpus, log
+    for node in (N1, N2):
+        assert f"error: {node}: CUDA finds 0 of its 4 GPUs for 4 processes: one process per working GPU" in log, log
+    assert "rendezvous" not in log and "epoch" not in log, log  # torchrun never started
 
 
 def test_04_refuses_nodes_whose_cuda_finds_no_gpu(tmp_path):

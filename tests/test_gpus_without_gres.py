@@ -1,0 +1,45 @@
+"""check_launch() of 05 and 06 where the site does not declare its GPUs as Slurm gres (many do not): Slurm sets no
+SLURM_GPUS_ON_NODE, so the node's GPU device files count them (GPU_DEVICES and a number; here files of the test's
+own; test_slurm_gpus.py shows Slurm without gres and 04's submit.sh on the test cluster). A node whose driver
+is down keeps its files while CUDA finds no GPU: one line, not a CPU run beside the other nodes' NCCL."""
+import socket
+
+import pytest
+import torch
+
+from conftest import load_step_module
+
+
+# GPU device files on the node, GPUs that CUDA sees, Slurm's tasks per node (this is the third node), refused.
+@pytest.mark.parametrize("files, visible, tasks_per_node, refused", [
+    (4, 0, "4(x3)", True),    # the driver is down: CUDA sees none of the node's 4 GPUs
+    (4, 4, "4(x3)", False),   # one task per GPU
+    (4, 4, "2(x3)", True),    # 2 tasks for 4 GPUs: 2 idle
+    (4, 1, "4(x3)", False),   # a site's binding: each task sees its own
+    (0, 0, "2(x3)", False),   # a CPU node
+    ("", 0, "2(x3)", False),  # GPU_DEVICES empty: a CPU job on a GPU node, asked for
+])
+@pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
+def test_a_node_without_gres_counts_its_gpus_by_their_device_files(monkeypatch, tmp_path, step, files, visible,
+                                                                   tasks_per_node, refused):
+    module = load_step_module(step)
+    for index in range(files or 0):
+        (tmp_path / f"nvidia{index}").touch()
+    (tmp_path / "nvidiactl").touch()  # not a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name, value in dict(SLURM_STEP_TASKS_PER_NODE=tasks_per_node, SLURM_NODEID="2", SLURM_JOB_ID="42",
+                            GPU_DEVICES="" if files == "" else f"{tmp_path}/nvidia").items():
+        monkeypatch.setenv(name, value)
+    if not refused:
+        module.check_launch(str(tmp_path / "ckpt.pt"), 5, 1)
+        return
+    with pytest.raises(SystemExit) as stopped:
+        module.check_launch(str(tmp_path / "ckpt.pt"), 5, 1)
+    tasks = tasks_per_node.split("(")[0]
+    assert str(stopped.value) == (
+        f"error: task 5 on {socket.gethostname()}: {tasks} tasks and {files} GPUs on it, and CUDA sees {visible} "
+        "(CUDA_VISIBLE_DEVICES=None): run one task per GPU (--ntasks-per-node as --gpus-per-node, or "
+        "--gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
