@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from argparse import Namespace
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -239,18 +240,38 @@ def cpu_seconds():
                for field in ("ru_utime", "ru_stime"))
 
 
+def slurm_cpu_seconds(since):
+    """The CPU time of the jobs that ran on this worker's partitions since since (a datetime), every run of a requeued
+    job included (sacct -D; slurm_cluster.sh gathers it): what Slurm's daemons started for a test, which no
+    process of the test waits for."""
+    out = subprocess.run(["sacct", "-n", "-D", "-P", "-a", "-o", "JobID,TotalCPU", "-S", since.isoformat(timespec="seconds"),
+                          "-r", f"{SLURM_PARTITION},{SLURM_HIGH},cancel{WORKER or ''},wide"], capture_output=True,
+                         text=True).stdout
+    seconds = 0.0
+    for job, text in (line.split("|") for line in out.split()):  # [DD-[HH:]]MM:SS.mmm
+        if "." not in job:  # the steps' records (the batch script's too), which come as each ends; not the job's sum
+            continue
+        days, _, clock = text.rpartition("-")
+        parts = [float(part) for part in clock.split(":")]
+        seconds += int(days or 0) * 86400 + sum(part * 60 ** i for i, part in enumerate(reversed(parts)))
+    return seconds
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    item.cpu_start = cpu_seconds()
+    item.cpu_start, item.began = cpu_seconds(), datetime.now()
     yield
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Each report carries the CPU seconds its test has spent so far (set-up, call, teardown): the shared runs it
-    made included, the Slurm jobs' tasks (Slurm's daemons start them) not."""
+    made included, and for a Slurm test its jobs' (after the teardown, from the accounting)."""
     report = (yield).get_result()
-    report.user_properties.append(("cpu_seconds", cpu_seconds() - item.cpu_start))
+    seconds = cpu_seconds() - item.cpu_start
+    if call.when == "teardown" and item.get_closest_marker("slurm") and "SLURM_CONF" in os.environ:
+        seconds += slurm_cpu_seconds(item.began)
+    report.user_properties.append(("cpu_seconds", seconds))
 
 
 CPU_REPORT = []
@@ -264,7 +285,7 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     """Beside --durations' wall times: the CPU seconds of the 15 most costly tests, set-up and teardown included."""
     if CPU_REPORT:
-        terminalreporter.write_sep("=", "most CPU seconds (the test's process and those it waited for; not Slurm's tasks)")
+        terminalreporter.write_sep("=", "most CPU seconds (the test's processes, those they waited for, its Slurm jobs)")
         for seconds, nodeid in sorted(CPU_REPORT, reverse=True)[:15]:
             terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
         terminalreporter.write_line(f"{sum(s for s, _ in CPU_REPORT):8.1f} s  all {len(CPU_REPORT)} tests")

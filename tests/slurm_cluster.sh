@@ -118,7 +118,9 @@ SlurmdLogFile=$STATE/log/slurmd-%n.log
 # real sites do.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/affinity
-JobAcctGatherType=jobacct_gather/none
+# Each job's CPU time in the accounting (sacct's TotalCPU): the suite's summary gives every Slurm test's, as it
+# gives the others' from their own processes.
+JobAcctGatherType=jobacct_gather/linux
 SlurmdParameters=config_overrides
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
