@@ -289,11 +289,6 @@ def setup(rank, local_rank, world_size, timeout, store=None):
     facts = (f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} pid {os.getpid()} "
              f"device {device} backend {backend} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     print(facts + "\n", end="", flush=True)  # one write, so that the ranks' lines do not interleave
-    if backend == "nccl":  # SLURM: tasks on one GPU (--gpu-bind=map_gpu:0) fail in NCCL; UUIDs tell, not indices (all
-        mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))  # 0 under ConstrainDevices)
-        dist.all_gather_object(found := [None] * world_size, mine, group=dist.new_group(backend="gloo"))  # NCCL fails
-        if shared := [(r, *place) for r, place in enumerate(found) if found.count(place) > 1]:  # all end; rank 0 says
-            sys.exit(1 if rank else f"error: tasks share a GPU (task, host, UUID): {shared}: give each its own GPU")
     return device
 
 
@@ -301,6 +296,13 @@ def train(args, rank, world_size, device):
     is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
     # DDP: the others wait here while rank 0 alone downloads or saves: at least an hour (Gloo: takes no GPU memory).
     rank0_work = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, args.collective_timeout)))
+    if device.type == "cuda":  # SLURM: tasks that share a GPU (--gpu-bind=map_gpu:0) would fail in NCCL, on every rank
+        gpus = [None] * world_size  # each rank's (host, GPU UUID): under ConstrainDevices every index is 0
+        mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+        dist.all_gather_object(gpus, mine, group=rank0_work)  # over Gloo, before NCCL's first call
+        shared = [(r, *gpu) for r, gpu in enumerate(gpus) if gpus.count(gpu) > 1]
+        if shared:  # every rank ends; rank 0 names the tasks
+            sys.exit(f"error: tasks share a GPU (task, host, UUID): {shared}: give each its own GPU" if is_main else 1)
     if not is_main:  # DDP: rank 0 loads the data first, downloading what is missing; the others once it has
         dist.barrier(group=rank0_work)
     train_set, test_set = load_datasets(args)
