@@ -284,9 +284,9 @@ def check_launch(checkpoint, rank, local_rank):
     """SLURM: a wrong launch ends here with one line, before any rank waits for another. Slurm's own counts decide
     (no login profile sets them): no CPU run on GPU nodes, no GPU idle or shared by tasks, no silent start over."""
     # SLURM_GPUS_ON_NODE (gres), else the GPU device files (GPU_DEVICES + N), which a dead driver keeps, or CUDA's count
-    files = os.environ.get("GPU_DEVICES", "/dev/nvidia")
-    devices = sum(os.path.exists(f"{files}{index}") for index in range(64) if files)
-    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or max(devices, torch.cuda.device_count()))
+    prefix = os.environ.get("GPU_DEVICES", "/dev/nvidia")  # empty: no files counted (a CPU job on a GPU node)
+    files = sum(os.path.exists(f"{prefix}{index}") for index in range(64)) if prefix else 0
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or max(files, torch.cuda.device_count()))
     where = f"error: task {rank} on {socket.gethostname()}"
     tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(gpus)).split(",")  # "4(x2),2": 4,4,2
              for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
@@ -380,14 +380,19 @@ def train(args, rank, world_size, device):
             save_checkpoint(args.checkpoint, stateful, epoch=epoch, step=step, totals=done, layout=layout, stuck=stuck,
                             world_size=world_size, batch_size=args.batch_size, accumulate=args.accumulate)
         dist.barrier(group=rank0_work)
-        saved = ("no --checkpoint, so nothing is saved and the job is not requeued (it would start over)" if not
-                 args.checkpoint else f"saved in {time.perf_counter() - began:.1f} s, " + (f"exit code {STOPPED} to be "
-                 "requeued" if stuck < 3 else f"exit code 1, not requeued: {stuck} runs in a row stopped before a "
-                 "step or an evaluation (give the job more time than its start-up and the signal's lead)"))
-        if is_main and (signum or args.checkpoint):  # SLURM: after a stop signal, STOPPED has the batch script requeue
-            print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}" if signum else
-                  f"saved at epoch {epoch + 1} step {step} (--save-every {args.save_every:g})", flush=True)
-        return 1 if stuck >= 3 else STOPPED if args.checkpoint else 0
+        took = f"saved in {time.perf_counter() - began:.1f} s"
+        if not args.checkpoint:
+            code, saved = 0, "no --checkpoint, so nothing is saved and the job is not requeued (it would start over)"
+        elif stuck < 3:  # SLURM: STOPPED has the batch script requeue the job
+            code, saved = STOPPED, f"{took}, exit code {STOPPED} to be requeued"
+        else:  # SLURM: a time limit that the start-up and the signal's lead use up would requeue the job for ever
+            code, saved = 1, (f"{took}, exit code 1, not requeued: {stuck} runs in a row stopped before a step or an "
+                              "evaluation (give the job more time than its start-up and the signal's lead)")
+        if is_main and signum:
+            print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}", flush=True)
+        elif is_main and args.checkpoint:
+            print(f"saved at epoch {epoch + 1} step {step} (--save-every {args.save_every:g})", flush=True)
+        return code
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
