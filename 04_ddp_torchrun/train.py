@@ -279,7 +279,8 @@ def main():
     # torchrun: every process it starts finds its place in these variables (and MASTER_ADDR/PORT).
     if "LOCAL_RANK" not in os.environ:
         sys.exit("error: start this script with torchrun: bash 04_ddp_torchrun/run.sh (see its header)")
-    rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    rank, local_rank, world_size = (int(os.environ[name]) for name in names)
     device = setup(rank, local_rank, world_size, args.collective_timeout)
     train(args, rank, world_size, device)
     dist.destroy_process_group()  # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all

@@ -2,9 +2,8 @@
 
 Run:  sbatch 05_ddp_slurm/submit.sh --epochs 3   (from the repository root; see submit.sh for CPU runs)
 
-Changed since 04: srun starts one task per GPU on every node, each reading its place from SLURM_* variables.
-On SIGUSR2 (before the time limit) or SIGTERM (a preemption, scancel) all ranks stop at one step, rank 0
-saves the position in the epoch, and submit.sh requeues the job, which resumes at that step.
+Changed since 04: srun starts one task per GPU, each reading its place from SLURM_*. A stop signal (SIGUSR2 before
+the time limit, SIGTERM) stops all ranks at one step; rank 0 saves it, and submit.sh requeues the job to resume there.
 """
 import argparse
 import math
@@ -127,8 +126,7 @@ def get_lr(step, steps, args):  # the rate of optimizer step `step` of the run's
 
 
 class ResumableSampler(DistributedSampler):
-    """SLURM: a DistributedSampler that skips the first `start` indices of this rank's share of the epoch: those of
-    the steps trained before a stop. Its length stays the epoch's, as the steps in the progress lines do."""
+    """SLURM: skips this rank's first `start` indices (trained before a stop); its length stays the epoch's."""
     start = 0
 
     def __iter__(self):
@@ -142,13 +140,11 @@ STOPPED = 144  # SLURM: the exit code of tasks that stopped and saved; the batch
 
 
 def catch_stop_signals():
-    """SLURM: Slurm signals every process of the task, and data-loader workers started by forkserver (3.14's default)
-    or spawn would die of it: blocked, both stay pending in those started later, where signalled() finds them."""
+    """SLURM: Slurm signals data-loader workers too (no handler under spawn, forkserver): blocked, they stay pending."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    # CPython's resource tracker unblocks SIGTERM in the thread that starts it: started here (not by a first worker).
-    multiprocessing.resource_tracker.ensure_running()
+    multiprocessing.resource_tracker.ensure_running()  # it unblocks SIGTERM where it starts: here, so blocked again
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
@@ -255,8 +251,7 @@ def load_checkpoint(path, stateful, group):
 
 
 def check_launch(checkpoint, rank, local_rank):
-    """SLURM: a wrong launch ends here with one line, before any rank waits for another. Slurm's own counts decide
-    (no login profile sets them): no CPU run on GPU nodes, no GPU idle or shared by tasks, no silent start over."""
+    """SLURM: a wrong launch ends here with one line, before any rank waits for another (05's page lists the checks)."""
     # SLURM_GPUS_ON_NODE (gres), else the GPU device files (GPU_DEVICES + N), which a dead driver keeps, or CUDA's count
     prefix = os.environ.get("GPU_DEVICES", "/dev/nvidia")  # empty: no files counted (a CPU job on a GPU node)
     files = sum(os.path.exists(f"{prefix}{index}") for index in range(64)) if prefix else 0
@@ -332,7 +327,6 @@ def train(args, rank, world_size, device):
     scheduler = torch.optim.lr_scheduler.LambdaLR(  # built at the steps done: its first rate is the next step's
         optimizer, lambda step: get_lr(step, steps, args), last_epoch=steps_done - 1)
     start_epoch = position["epoch"] if position else 0
-    # SLURM: a job stopped inside an epoch goes on from that step, with the loss summed until then.
     layout = (world_size * args.batch_size * args.accumulate, args.seed, len(train_set))  # SLURM: a step's samples
     start_step, done = (position["step"], position["totals"]) if position and position.get("step") else (0, [0, 0])
     if start_step and position["layout"] != layout:
@@ -383,7 +377,7 @@ def train(args, rank, world_size, device):
         train_time = time.perf_counter() - start
         test_loss, metric, count = evaluate(model, test_loader, device)
         if signum := stop_requested(device)[0]:  # SLURM: a stop signal in evaluate(): the next run evaluates again
-            return save_position(epoch, math.ceil(len(train_loader) / args.accumulate), signum)
+            return save_position(epoch, per_epoch, signum)
         loss, start_step, done = done[0] / done[1], 0, [0, 0]  # SLURM: later epochs start at step 0
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, stateful, epoch=epoch + 1)
@@ -398,8 +392,7 @@ def train(args, rank, world_size, device):
 def main():
     catch_stop_signals()  # SLURM: first thing, before any other thread or process starts
     args = parse_args()
-    # SLURM: srun starts the tasks, each told its place; submit.sh exports MASTER_ADDR/PORT. Tried without Slurm: under
-    # torchrun (05's page: Run it), whose agent alone sets TORCHELASTIC_RUN_ID (srun's tasks may have LOCAL_RANK too).
+    # SLURM: srun's tasks, or torchrun's (05's page): its agent alone sets TORCHELASTIC_RUN_ID (srun's: LOCAL_RANK too)
     slurm = "TORCHELASTIC_RUN_ID" not in os.environ
     if slurm and ("SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ):
         sys.exit("error: start this script with srun in a job of submit.sh (sbatch 05_ddp_slurm/submit.sh), or try it "
