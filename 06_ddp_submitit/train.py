@@ -419,12 +419,13 @@ def train(args, rank, world_size, device):
 def run(args):
     """One task of the job, as submitit starts it on every node."""
     # submitit: ours replace its handlers, whose `scontrol requeue` an image without Slurm cannot run: as in 05, the
-    catch_stop_signals()  # tasks exit with STOPPED, which the batch script's teardown (or --local's) requeues
+    # tasks exit with STOPPED, which the batch script's teardown (or --local's controller) turns into a requeue.
+    catch_stop_signals()
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size  # MASTER_PORT: the batch script's (main())
-    if "SLURM_SUBMIT_DIR" in os.environ:  # SLURM: as parse_args, in the task; without --checkpoint, one per job as
-        args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint or  # 05's: requeues resume it
-                                       f"checkpoints/ddp-submitit-{os.environ['SLURM_JOB_ID']}.pt")
+    if "SLURM_SUBMIT_DIR" in os.environ:  # SLURM: as parse_args does, here in the job (the launcher's shell is no job)
+        default = f"checkpoints/ddp-submitit-{os.environ['SLURM_JOB_ID']}.pt"  # per job, as 05's: requeues resume it
+        args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint or default)
     check_launch(args.checkpoint, rank, local_rank)  # SLURM: before setup()
     device = setup(rank, local_rank, world_size, args.collective_timeout)
     code = train(args, rank, world_size, device)
@@ -436,9 +437,11 @@ def run(args):
 def main():
     args = parse_args()
     # submitit: the job inherits these from an allocation or torchrun; TorchDistributedEnvironment would take them.
-    for name in ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] + args.local * [
-            "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_RESTART_COUNT",
-            "SLURM_SUBMIT_DIR"]:  # --local: an allocation's job and layout, which check_launch would take for its own
+    stale = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]
+    if args.local:  # an allocation's job and layout, which check_launch would take for those of these tasks
+        stale += ["SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID",
+                  "SLURM_RESTART_COUNT", "SLURM_SUBMIT_DIR"]
+    for name in stale:
         os.environ.pop(name, None)
     folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))  # submitit: a new log folder every launch
     executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None, slurm_python=args.python)
@@ -458,7 +461,8 @@ def main():
                                                '"$SLURM_JOB_ID"; fi; exit $status'])
     if executor.cluster == "slurm":  # submitit: None drops its --wckey=submitit, which sites that enforce wckeys reject
         executor._executor.update_parameters(wckey=None)  # (AutoExecutor's own would ignore a None); --sbatch wckey=K
-        os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint or "checkpoints/-")), exist_ok=True)  # run()'s
+        checkpoint_dir = os.path.dirname(os.path.abspath(args.checkpoint)) if args.checkpoint else "checkpoints"
+        os.makedirs(checkpoint_dir, exist_ok=True)  # SLURM: here, on the host: check_launch() refuses a missing one
     # submitit: the job imports this file as a module, found through the PYTHONPATH it inherits (not __main__, pickled
     # by value), so that workers started by spawn or forkserver find its classes by name when given the dataset.
     here, name = os.path.split(os.path.splitext(os.path.abspath(__file__))[0])
