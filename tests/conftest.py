@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from argparse import Namespace
 from datetime import datetime
@@ -67,10 +68,14 @@ class Result:
 
 
 def run(cmd, timeout=120, env=None, cwd=REPO):
-    """Runs cmd in a session of its own; past timeout the whole session is killed and the test fails."""
+    """Runs cmd in a session of its own (a Python script in the preloaded Python: Task); past timeout the whole
+    session is killed and the test fails."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    if cmd[0] == sys.executable and str(cmd[1]).endswith(".py"):  # `python script.py ...`: in the preloaded Python
+        proc = Task(cmd[1:], env or child_env(), cwd)
+    else:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -78,6 +83,106 @@ def run(cmd, timeout=120, env=None, cwd=REPO):
         out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout} s: {cmd}\n{out}\n{err}")
     return Result(proc.returncode, out, err, time.monotonic() - start)
+
+
+class Preloaded:
+    """The client of tests/preloaded.py: a Python with torch imported that forks a process for each script (one
+    server per pytest process, started at its first use)."""
+    server = None
+    cpu = 0.0  # CPU seconds of the processes it ran that have ended (their descendants included)
+
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded.py"), str(theirs.fileno())],
+                                        pass_fds=[theirs.fileno()], env=child_env(), stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.sock, self.ended, self.lock = ours, {}, threading.Lock()
+
+    @classmethod
+    def get(cls):
+        if cls.server is None or cls.server.process.poll() is not None:
+            cls.server = cls()
+        return cls.server
+
+    def _receive(self, timeout):
+        """The next message, or None at the timeout; an ended process's status goes to self.ended."""
+        if not select.select([self.sock], [], [], max(timeout, 0))[0]:
+            return None
+        header = self.sock.recv(4, socket.MSG_WAITALL)
+        if not header:
+            pytest.fail(f"tests/preloaded.py ended (exit {self.process.wait()})")
+        size = int.from_bytes(header, "big")
+        message = pickle.loads(self.sock.recv(size, socket.MSG_WAITALL))
+        if message[0] == "ended":
+            self.ended[message[1]] = message[2]
+            Preloaded.cpu += message[3]
+        return message
+
+    def start(self, argv, env, cwd, fds):
+        with self.lock:
+            data = pickle.dumps((argv, env, str(cwd)))
+            socket.send_fds(self.sock, [len(data).to_bytes(4, "big")], fds)
+            self.sock.sendall(data)
+            while (message := self._receive(60)) is None or message[0] != "started":
+                if message is None:
+                    pytest.fail("tests/preloaded.py did not start a process in 60 s")
+            return message[1]
+
+    def returncode(self, pid, timeout):
+        """pid's exit code, waiting up to timeout seconds; None while it runs."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while pid not in self.ended and self._receive(deadline - time.monotonic()) is not None:
+                pass
+            return self.ended.get(pid)
+
+
+class Task:
+    """A script run as `python script args` in the preloaded Python (tests/preloaded.py), with Popen's interface as
+    the tests use it (pid, poll, wait, communicate, stdout in text, returncode): what srun or a shell starts."""
+
+    def __init__(self, argv, env, cwd, stderr=subprocess.PIPE):
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe() if stderr == subprocess.PIPE else (None, out_w)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        self.args, self.returncode, self.preloaded = argv, None, Preloaded.get()
+        self.pid = self.preloaded.start([str(a) for a in argv], env, cwd, [devnull, out_w, err_w])
+        for fd in {devnull, out_w, err_w}:
+            os.close(fd)
+        self.stdout = open(out_r, "r", encoding="utf-8", errors="replace")
+        self.stderr = open(err_r, "r", encoding="utf-8", errors="replace") if err_r is not None else None
+        self._read = {self.stdout: [], **({self.stderr: []} if self.stderr else {})}
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self.preloaded.returncode(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            self.returncode = self.preloaded.returncode(self.pid, 3600 if timeout is None else timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        """Reads stdout and stderr to their ends, then waits; past timeout raises TimeoutExpired (call it again)."""
+        deadline = time.monotonic() + (3600 if timeout is None else timeout)
+        open_files = [f for f in self._read if not f.closed]
+        while open_files:
+            ready = select.select(open_files, [], [], max(deadline - time.monotonic(), 0))[0]
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            for f in ready:
+                chunk = os.read(f.fileno(), 65536)
+                if chunk:
+                    self._read[f].append(chunk)
+                else:
+                    f.close()
+                    open_files.remove(f)
+        self.wait(max(deadline - time.monotonic(), 0))
+        text = {f: b"".join(chunks).decode(errors="replace") for f, chunks in self._read.items()}
+        return text[self.stdout], text.get(self.stderr)
 
 
 def read_line(proc, deadline):
@@ -118,9 +223,7 @@ def run_slurm_tasks(args, world_size=2, timeout=120, **env):
     """Step 05 started as srun would start it on one node: one process per task with its SLURM_* variables (and
     env)."""
     port, start = free_port(), time.monotonic()
-    procs = [subprocess.Popen([sys.executable, "05_ddp_slurm/train.py", *args], cwd=REPO,
-                              env=slurm_task_env(rank, world_size, port, **env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    procs = [Task(["05_ddp_slurm/train.py", *args], slurm_task_env(rank, world_size, port, **env), REPO)
              for rank in range(world_size)]
     outs = []
     try:
@@ -236,16 +339,17 @@ STARTED_BY = SLURM_DIR / "started-by-pytest"  # the run that started the cluster
 
 def cpu_seconds():
     """CPU time of this process and of every process it started and waited for (their children included)."""
-    return sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-               for field in ("ru_utime", "ru_stime"))
+    return Preloaded.cpu + sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF,
+                                                                                  resource.RUSAGE_CHILDREN)
+                               for field in ("ru_utime", "ru_stime"))
 
 
 def slurm_cpu_seconds(since):
     """The CPU time of the jobs that ran on this worker's partitions since since (a datetime), every run of a requeued
     job included (sacct -D; slurm_cluster.sh gathers it): what Slurm's daemons started for a test, which no
     process of the test waits for."""
-    out = subprocess.run(["sacct", "-n", "-D", "-P", "-a", "-o", "JobID,TotalCPU", "-S", since.isoformat(timespec="seconds"),
-                          "-r", f"{SLURM_PARTITION},{SLURM_HIGH},cancel{WORKER or ''},wide"], capture_output=True,
+    out = subprocess.run(["sacct", "-n", "-D", "-P", "-a", "-o", "JobID,TotalCPU", "-S",
+                          since.isoformat(timespec="seconds"), "-r", f"{SLURM_PARTITION},{SLURM_HIGH},cancel{WORKER or ''},wide"], capture_output=True,
                          text=True).stdout
     seconds = 0.0
     for job, text in (line.split("|") for line in out.split()):  # [DD-[HH:]]MM:SS.mmm
@@ -284,13 +388,14 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter):
     """Beside --durations' wall times: the CPU seconds of the 15 most costly tests, set-up and teardown included."""
-    if CPU_REPORT:
+    report = sorted(CPU_REPORT, reverse=True)
+    if report:
         terminalreporter.write_sep("=", "most CPU seconds (the test's processes, those they waited for, its Slurm jobs)")
-        for seconds, nodeid in sorted(CPU_REPORT, reverse=True)[:15]:
+        for seconds, nodeid in report[:15]:
             terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
-        terminalreporter.write_line(f"{sum(s for s, _ in CPU_REPORT):8.1f} s  all {len(CPU_REPORT)} tests")
-        if os.environ.get("CPU_REPORT"):  # every test's, to compare two runs
-            Path(os.environ["CPU_REPORT"]).write_text("".join(f"{s:.1f} {n}\n" for s, n in sorted(CPU_REPORT, reverse=True)))
+        terminalreporter.write_line(f"{sum(s for s, _ in report):8.1f} s  all {len(report)} tests")
+    if report and os.environ.get("CPU_REPORT"):  # a file with every test's, to compare two runs
+        Path(os.environ["CPU_REPORT"]).write_text("".join(f"{seconds:.1f} {nodeid}\n" for seconds, nodeid in report))
 
 
 def pytest_configure(config):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from conftest import (STEPS, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, batch_args, child_env, free_port, load_step_module,
+from conftest import (STEPS, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Result, Task, batch_args, child_env, free_port, load_step_module,
                       max_abs_diff, run_slurm_tasks, run_step, wait_for)
 from test_copy import copy_step
 from test_preemption import REQUEUE_CODE, SITECUSTOMIZE, STOPPED, finish_all, hold_env
@@ -306,11 +306,10 @@ def test_amp_trains_in_bf16_in_every_step(amp_runs, reference):
 def start_copy(script, args, env, world_size=2):
     """A copied 05's tasks as srun starts them on one node."""
     port = free_port()
-    return [subprocess.Popen([sys.executable, str(script), *args], cwd=script.parent.parent, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                             env=child_env(**env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
-                                           SLURM_NTASKS=str(world_size), SLURM_STEP_ID="0", SLURM_JOB_ID="4242",
-                                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+    return [Task([script, *args], child_env(**env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                                            SLURM_NTASKS=str(world_size), SLURM_STEP_ID="0", SLURM_JOB_ID="4242",
+                                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                 script.parent.parent, stderr=subprocess.STDOUT)
             for rank in range(world_size)]
 
 

@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import (GLOBAL_BATCH, REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, batch_args, child_env, free_port,
+from conftest import (GLOBAL_BATCH, REPO, STEPS_PER_EPOCH, SYNTHETIC, TOLERANCE, Task, batch_args, child_env, free_port,
                       load_step_module, max_abs_diff, run_step, submitit_logs, train_in_process, wait_for, weights)
 
 TRAIN_05 = [*SYNTHETIC[:2], *batch_args("05_ddp_slurm")]  # --workers is chosen per test
 # Python 3.14's default start method is forkserver; a sitecustomize on PYTHONPATH forces one here, in every
 # Python process the test starts. It can also log every sample a TensorDataset hands out.
 SITECUSTOMIZE = '''
-import multiprocessing, os
+import multiprocessing, os, sys
 with open("/proc/self/cmdline", "rb") as cmdline:  # a training process (not a launcher's helper or a port probe)
-    command = cmdline.read()
-    trains = b"train.py" in command or b"submitit.core._submit" in command
+    command = cmdline.read()  # or sys.argv: a process that conftest.Task forks from the preloaded Python sets it
+    trains = b"train.py" in command or b"submitit.core._submit" in command or sys.argv[0].endswith("train.py")
 if os.environ.get("TEST_START_METHOD"):  # one method, or one per rank: "forkserver,spawn"
     methods = os.environ["TEST_START_METHOD"].split(",")
     multiprocessing.set_start_method(methods[int(os.environ.get("SLURM_PROCID", 0)) % len(methods)], force=True)
@@ -168,12 +168,10 @@ def signal_every_process(pids, signum=signal.SIGUSR2):
 def start_05(args, env, world_size=2, cwds=None, job_id="4242"):
     """Step 05's tasks as srun starts them on one node (SLURM_* variables, submit.sh's MASTER_ADDR/PORT)."""
     port = free_port()
-    return [subprocess.Popen([sys.executable, str(REPO / "05_ddp_slurm" / "train.py"), *args],
-                             cwd=(cwds or [REPO] * world_size)[rank], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, start_new_session=True,
-                             env=env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world_size),
-                                     SLURM_STEP_ID="0", SLURM_JOB_ID=job_id, MASTER_ADDR="127.0.0.1",
-                                     MASTER_PORT=str(port)))
+    return [Task([REPO / "05_ddp_slurm" / "train.py", *args],
+                 env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world_size), SLURM_STEP_ID="0",
+                     SLURM_JOB_ID=job_id, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                 (cwds or [REPO] * world_size)[rank], stderr=subprocess.STDOUT)
             for rank in range(world_size)]
 
 
