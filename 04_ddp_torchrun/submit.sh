@@ -31,12 +31,12 @@ if [[ ${SLURM_NTASKS:-$SLURM_NNODES} != "$SLURM_NNODES" ]]; then
   exit 1
 fi
 # One process per GPU of a node as a job step sees them, not this script: under --exclusive it may see all of the
-# node's while a step has those asked for. A step on every node says: SLURM_GPUS_ON_NODE where the site declares
-# GPUs as gres, else its GPU device files (a site without gres; GPU_DEVICES and a number; empty: none). The
-# most of any node (a node with fewer fails the check below); 2 processes on nodes without GPUs.
+# node's while a step has those asked for. A step on every node says: SLURM_GPUS_ON_NODE (unset: 0) if the job
+# asked about GPUs (any SLURM_GPUS* variable), else its GPU device files (no gres; GPU_DEVICES and a number; empty:
+# none). The most of any node (a node with fewer fails the check below); 2 processes on nodes without GPUs.
 export GPU_DEVICES=${GPU_DEVICES-/dev/nvidia}
 GPUS=$(srun --ntasks-per-node=1 bash -c 'shopt -s nullglob; devices=(${GPU_DEVICES:+$GPU_DEVICES[0-9]*})
-  echo "${SLURM_GPUS_ON_NODE:-${#devices[@]}}"' | sort -n | sed -n '$p')
+  compgen -v SLURM_GPUS >/dev/null && echo "${SLURM_GPUS_ON_NODE:-0}" || echo "${#devices[@]}"' | sort -n | sed -n '$p')
 NPROC_PER_NODE=${NPROC_PER_NODE:-$((GPUS > 0 ? GPUS : 2))}
 # The task's cores are shared by its processes, and each process's share is split so that nothing runs on
 # top of anything else: data-loader workers (one core each) and its threads. Half are workers (32 cores and

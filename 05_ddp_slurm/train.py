@@ -252,10 +252,10 @@ def load_checkpoint(path, stateful, group):
 
 def check_launch(checkpoint, rank, local_rank):
     """SLURM: a wrong launch ends here with one line, before any rank waits for another (05's page lists the checks)."""
-    # SLURM_GPUS_ON_NODE (gres), else the GPU device files (GPU_DEVICES + N), which a dead driver keeps, or CUDA's count
-    prefix = os.environ.get("GPU_DEVICES", "/dev/nvidia")  # empty: no files counted (a CPU job on a GPU node)
-    files = sum(os.path.exists(f"{prefix}{index}") for index in range(64)) if prefix else 0
-    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or max(files, torch.cuda.device_count()))
+    asked = any(name.startswith("SLURM_GPUS") for name in os.environ)  # the job asked Slurm: SLURM_GPUS_ON_NODE decides
+    prefix = "" if asked else os.environ.get("GPU_DEVICES", "/dev/nvidia")  # else GPU device files (a dead driver's)
+    files = sum(os.path.exists(f"{prefix}{index}") for index in range(64)) if prefix else 0  # GPU_DEVICES=: a CPU job
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE", 0)) if asked else max(files, torch.cuda.device_count())
     where = f"error: task {rank} on {socket.gethostname()}"
     tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(gpus)).split(",")  # "4(x2),2": 4,4,2
              for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
@@ -341,8 +341,8 @@ def train(args, rank, world_size, device):
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
     def save_position(epoch, step, signum=0):  # SLURM: the model after `step` steps of `epoch`, and what they mean
-        # SLURM: runs in a row that stop where they resumed (no step, no evaluation): the third is not requeued.
-        stuck = (position or {}).get("stuck", 0) + 1 if (epoch, step) == (start_epoch, start_step) else 0
+        carried = (position or {}).get("stuck", 0) if int(os.environ.get("SLURM_RESTART_COUNT", 0)) else 0  # new job: 0
+        stuck = carried + 1 if (epoch, step) == (start_epoch, start_step) else 0  # SLURM: runs in a row, no progress
         began = time.perf_counter()
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, stateful, epoch=epoch, step=step, totals=done, layout=layout, stuck=stuck,
@@ -354,8 +354,8 @@ def train(args, rank, world_size, device):
         elif stuck < 3:  # SLURM: STOPPED has the batch script requeue the job
             code, saved = STOPPED, f"{took}, exit code {STOPPED} to be requeued"
         else:  # SLURM: a time limit that the start-up and the signal's lead use up would requeue the job for ever
-            code, saved = 1, (f"{took}, exit code 1, not requeued: {stuck} runs in a row stopped before a step or an "
-                              "evaluation (give the job more time than its start-up and the signal's lead)")
+            code, saved = 1, (f"{took}, exit code 1, not requeued: {stuck} runs in a row made no step or evaluation (a "
+                              "time limit below start-up + the signal's lead, or stops (preemptions) at each start)")
         if is_main and signum:
             print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}", flush=True)
         elif is_main and args.checkpoint:

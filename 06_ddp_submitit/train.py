@@ -40,9 +40,9 @@ def parse_args():
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
-    parser.add_argument("--workers", type=int,
-                        help="data-loader worker processes per process (default: half of --cpus-per-task)")
-    parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
+    parser.add_argument("--workers", type=int, help="data-loader workers a process (default: half of --cpus-per-task)")
+    parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists (default "
+                        "on Slurm: checkpoints/ddp-submitit-JOBID.pt in the submit folder; --local: none)")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: only the line at its end)")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches of --batch-size per optimizer step")
@@ -57,10 +57,8 @@ def parse_args():
                         help="seconds a collective waits for a rank that stopped answering, then ends the run")
     parser.add_argument("--local", action="store_true", help="run the tasks as processes on this machine")
     parser.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
-    parser.add_argument("--gpus-per-node", type=int,
-                        help="GPUs per node: needed on Slurm (0 for CPU nodes); with --local, this machine's")
-    parser.add_argument("--tasks-per-node", type=int,
-                        help="processes per node: one per GPU (default: --gpus-per-node, or 2 without GPUs)")
+    parser.add_argument("--gpus-per-node", type=int, help="needed on Slurm (0: CPU nodes); --local: this machine's")
+    parser.add_argument("--tasks-per-node", type=int, help="one per GPU (default: --gpus-per-node, or 2 without)")
     parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per process")
     parser.add_argument("--timeout-min", type=int, default=60, help="time limit of the job in minutes")
     parser.add_argument("--python", help="the tasks' python, e.g. in a container: python3 (default: this one)")
@@ -79,6 +77,12 @@ def parse_args():
                      "--workers, --log-interval, --clip-grad and --warmup at least 0, --warmup below 1")
     if not args.collective_timeout > 0 or args.save_every < 0:
         parser.error("--collective-timeout must be above 0 seconds and --save-every at least 0")
+    args.sbatch = [(key.replace("_", "-"), value) for key, value in args.sbatch or ()]  # as submitit writes them
+    flags = {"nodes": "--nodes", "ntasks-per-node": "--tasks-per-node", "gpus-per-node": "--gpus-per-node",
+             "cpus-per-task": "--cpus-per-task", "time": "--timeout-min", "output": "--log-dir", "error": "--log-dir",
+             "open-mode": "--log-dir", **dict.fromkeys(["signal", "requeue", "job-name"], "none (06 needs its own)")}
+    for key in [key for key, _ in args.sbatch if key in flags]:  # submitit writes its own line after (the last wins)
+        parser.error(f"--sbatch {key}: 06 sets it, and submitit's own line would override yours; flag: {flags[key]}")
     # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (a container's: thrown away).
     args.checkpoint = args.checkpoint and os.path.join(os.environ.get("SLURM_SUBMIT_DIR", ""), args.checkpoint)
     # submitit: the launcher often runs on a login node, whose GPUs (none) say nothing of the compute nodes'.
@@ -279,10 +283,10 @@ def load_checkpoint(path, stateful, group):
 
 def check_launch(checkpoint, rank, local_rank):
     """SLURM: a wrong launch ends here with one line, before any rank waits for another (05's page lists the checks)."""
-    # SLURM_GPUS_ON_NODE (gres), else the GPU device files (GPU_DEVICES + N), which a dead driver keeps, or CUDA's count
-    prefix = os.environ.get("GPU_DEVICES", "/dev/nvidia")  # empty: no files counted (a CPU job on a GPU node)
-    files = sum(os.path.exists(f"{prefix}{index}") for index in range(64)) if prefix else 0
-    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or max(files, torch.cuda.device_count()))
+    asked = any(name.startswith("SLURM_GPUS") for name in os.environ)  # the job asked Slurm: SLURM_GPUS_ON_NODE decides
+    prefix = "" if asked else os.environ.get("GPU_DEVICES", "/dev/nvidia")  # else GPU device files (a dead driver's)
+    files = sum(os.path.exists(f"{prefix}{index}") for index in range(64)) if prefix else 0  # GPU_DEVICES=: a CPU job
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE", 0)) if asked else max(files, torch.cuda.device_count())
     where = f"error: task {rank} on {socket.gethostname()}"
     tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(gpus)).split(",")  # "4(x2),2": 4,4,2
              for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
@@ -368,8 +372,8 @@ def train(args, rank, world_size, device):
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
     def save_position(epoch, step, signum=0):  # SLURM: the model after `step` steps of `epoch`, and what they mean
-        # SLURM: runs in a row that stop where they resumed (no step, no evaluation): the third is not requeued.
-        stuck = (position or {}).get("stuck", 0) + 1 if (epoch, step) == (start_epoch, start_step) else 0
+        carried = (position or {}).get("stuck", 0) if int(os.environ.get("SLURM_RESTART_COUNT", 0)) else 0  # new job: 0
+        stuck = carried + 1 if (epoch, step) == (start_epoch, start_step) else 0  # SLURM: runs in a row, no progress
         began = time.perf_counter()
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, stateful, epoch=epoch, step=step, totals=done, layout=layout, stuck=stuck,
@@ -381,8 +385,8 @@ def train(args, rank, world_size, device):
         elif stuck < 3:  # SLURM: STOPPED has the batch script requeue the job
             code, saved = STOPPED, f"{took}, exit code {STOPPED} to be requeued"
         else:  # SLURM: a time limit that the start-up and the signal's lead use up would requeue the job for ever
-            code, saved = 1, (f"{took}, exit code 1, not requeued: {stuck} runs in a row stopped before a step or an "
-                              "evaluation (give the job more time than its start-up and the signal's lead)")
+            code, saved = 1, (f"{took}, exit code 1, not requeued: {stuck} runs in a row made no step or evaluation (a "
+                              "time limit below start-up + the signal's lead, or stops (preemptions) at each start)")
         if is_main and signum:
             print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}", flush=True)
         elif is_main and args.checkpoint:
@@ -417,9 +421,7 @@ def train(args, rank, world_size, device):
 
 
 def run(args):
-    """One task of the job, as submitit starts it on every node."""
-    # submitit: ours replace its handlers, whose `scontrol requeue` an image without Slurm cannot run: as in 05, the
-    # tasks exit with STOPPED, which the batch script's teardown (or --local's controller) turns into a requeue.
+    """One task, as submitit starts it on each node; 05's stop handlers, not submitit's (whose scontrol images lack)."""
     catch_stop_signals()
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size  # MASTER_PORT: the batch script's (main())
@@ -436,21 +438,17 @@ def run(args):
 
 def main():
     args = parse_args()
-    # submitit: the job inherits these from an allocation or torchrun; TorchDistributedEnvironment would take them.
+    # submitit: inherited from an allocation or torchrun; TorchDistributedEnvironment and check_launch would read them
     stale = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]
-    if args.local:  # an allocation's job and layout, which check_launch would take for those of these tasks
-        stale += ["SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NODEID",
-                  "SLURM_RESTART_COUNT", "SLURM_SUBMIT_DIR"]
-    for name in stale:
+    for name in stale + [name for name in os.environ if args.local and name.startswith("SLURM_")]:
         os.environ.pop(name, None)
     folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))  # submitit: a new log folder every launch
     executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None, slurm_python=args.python)
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                                gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min,
-                               # submitit: as 05's submit.sh, which says why; the threads (srun passes them on) and,
-                               # on the first node, a port that no process there listens on (bash: no Python needed).
-                               slurm_additional_parameters=dict(args.sbatch or (), requeue=True, signal="USR2@120"),
+                               # submitit: as 05's submit.sh (which says why): threads, and a free port (bash only)
+                               slurm_additional_parameters=dict(args.sbatch, requeue=True, signal="USR2@120"),
                                slurm_srun_args=[*args.srun_args.split(), "--kill-on-bad-exit=0", "--wait=30",
                                                 f"--cpus-per-task={args.cpus_per_task}"],
                                slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",
@@ -468,7 +466,8 @@ def main():
     here, name = os.path.split(os.path.splitext(os.path.abspath(__file__))[0])
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     job = executor.submit(importlib.import_module(name).run, args)
-    print(f"submitted job {job.job_id}; logs in {job.paths.folder} (rank 0: {job.job_id}_0_log.out)", flush=True)
+    checkpoint = args.checkpoint or executor.cluster == "slurm" and f"checkpoints/ddp-submitit-{job.job_id}.pt"
+    print(f"submitted job {job.job_id}; logs in {job.paths.folder}; checkpoint {checkpoint or 'none'}", flush=True)
     job.results()  # waits for the job, through requeues, and raises its error if it failed
     print(f"job {job.job_id} finished", flush=True)
 

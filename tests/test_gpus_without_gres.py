@@ -43,3 +43,23 @@ def test_a_node_without_gres_counts_its_gpus_by_their_device_files(monkeypatch, 
         f"error: task 5 on {socket.gethostname()}: {tasks} tasks and {files} GPUs on it, and CUDA sees {visible} "
         "(CUDA_VISIBLE_DEVICES=None): run one task per GPU (--ntasks-per-node as --gpus-per-node, or "
         "--gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
+
+
+@pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
+def test_a_job_that_asked_for_no_gpus_is_not_probed_and_trains_on_the_cpu(monkeypatch, tmp_path, step):
+    """At a gres site, a CPU job on a GPU node (--gpus-per-node=0: Slurm sets SLURM_GPUS_PER_NODE=0 and no
+    SLURM_GPUS_ON_NODE) is not counted by the node's device files: a job that asked Slurm about GPUs has what
+    SLURM_GPUS_ON_NODE says (unset: 0). Only a job that asked nothing (no SLURM_GPUS* variable) is probed."""
+    module = load_step_module(step)
+    for index in range(4):
+        (tmp_path / f"nvidia{index}").touch()
+    probed, exists = [], module.os.path.exists
+    monkeypatch.setattr(module.os.path, "exists", lambda path: probed.append(path) or exists(path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE", raising=False)
+    for name, value in dict(SLURM_GPUS_PER_NODE="0", SLURM_STEP_TASKS_PER_NODE="2(x3)", SLURM_NODEID="2",
+                            SLURM_JOB_ID="42", GPU_DEVICES=f"{tmp_path}/nvidia").items():
+        monkeypatch.setenv(name, value)
+    module.check_launch(str(tmp_path / "ckpt.pt"), 5, 1)  # no SystemExit: 2 tasks of a CPU job
+    assert not [path for path in probed if path.startswith(f"{tmp_path}/nvidia")]

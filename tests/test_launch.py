@@ -27,11 +27,6 @@ def test_each_process_finds_its_gpu(monkeypatch, capsys, step, visible, local_ra
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(set_device=str(device)))
     monkeypatch.setattr(module.dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
-    if step != "03_ddp_mpspawn":  # 05's tasks then gather their GPUs' identities (below), each a GPU of its own here
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Namespace(uuid="GPU-5"))
-        monkeypatch.setattr(module.dist, "new_group", lambda backend: backend)
-        monkeypatch.setattr(module.dist, "all_gather_object", lambda found, mine, group: found.__setitem__(
-            slice(None), [("n1", f"GPU-{rank}") for rank in range(len(found))]))
     monkeypatch.setenv("MASTER_ADDR", "n1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(visible))))
@@ -97,7 +92,15 @@ def test_a_wrong_gpu_launch_is_refused_in_one_line(monkeypatch, tmp_path, step, 
         "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
 
 
-# The GPU (host, UUID) of each task of a job of 4 tasks on 2 nodes, as setup() gathers them after init_process_group.
+class Trains(Exception):
+    """Past the shared-GPU check: the run goes on to its data."""
+
+
+def on_to_the_data(*args, **kwargs):
+    raise Trains
+
+
+# The GPU (host, UUID) of each task of a job of 4 tasks on 2 nodes, as train() gathers them after init_process_group.
 @pytest.mark.parametrize("gpus, shared", [
     ([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-c"), ("n2", "GPU-d")], None),  # one GPU each
     # --gpu-bind=map_gpu:0 on n2 (or under ConstrainDevices, where each task's GPU is its cuda:0 and indices tell
@@ -105,17 +108,14 @@ def test_a_wrong_gpu_launch_is_refused_in_one_line(monkeypatch, tmp_path, step, 
     ([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-c"), ("n2", "GPU-c")], "[(2, 'n2', 'GPU-c'), (3, 'n2', 'GPU-c')]"),
     ([("n1", "GPU-a"), ("n1", "GPU-a"), ("n2", "GPU-c"), ("n2", "GPU-d")], "[(0, 'n1', 'GPU-a'), (1, 'n1', 'GPU-a')]"),
 ])
-def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, gpus, shared):
+@pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
+def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, step, gpus, shared):
     """Every task ends (none waits in a collective for the others), and rank 0 names those that share a GPU in one
-    line; the GPUs' identities travel over Gloo, as NCCL itself fails on a shared GPU."""
-    module = load_step_module("05_ddp_slurm")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # each task sees the one GPU it is bound to
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(module.dist, "init_process_group", lambda backend, **kw: None)
-    monkeypatch.setattr(module.dist, "new_group", lambda backend: backend)
-    monkeypatch.setenv("MASTER_ADDR", "n1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
+    line; the GPUs' identities travel over train()'s Gloo group, as NCCL itself fails on a shared GPU."""
+    module = load_step_module(step)
+    monkeypatch.setattr(module.dist, "new_group", lambda backend, timeout: backend)
+    monkeypatch.setattr(module.dist, "barrier", on_to_the_data)
+    monkeypatch.setattr(module, "load_datasets", on_to_the_data)
     for rank, (host, uuid) in enumerate(gpus):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, uuid=uuid: Namespace(uuid=uuid))
 
@@ -123,11 +123,13 @@ def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, gpus, shared):
             assert mine == (socket.gethostname(), uuid) and group == "gloo"
             found[:] = gpus
         monkeypatch.setattr(module.dist, "all_gather_object", all_gather_object)
+        args, device = Namespace(collective_timeout=600), torch.device("cuda", 0)
         if shared is None:
-            assert str(module.setup(rank, rank % 2, len(gpus), 600)) == "cuda:0"
+            with pytest.raises(Trains):
+                module.train(args, rank, len(gpus), device)
             continue
         with pytest.raises(SystemExit) as exited:
-            module.setup(rank, rank % 2, len(gpus), 600)
+            module.train(args, rank, len(gpus), device)
         assert exited.value.code == (1 if rank else f"error: tasks share a GPU (task, host, UUID): {shared}: give each "
                                      "its own GPU")
 

@@ -26,6 +26,13 @@ def without_cpus_per_task(script):
     assert script.count("#SBATCH --cpus-per-task=") == 1
     return script.replace("#SBATCH --cpus-per-task=", "##SBATCH --cpus-per-task=")
 
+
+def without_gpus_per_node(script):
+    """A copy of a submit.sh whose #SBATCH --gpus-per-node line is commented out: a job that asks Slurm nothing about
+    GPUs, as at a site without GPU gres (a job with --gpus-per-node=0 asked for none: SLURM_GPUS_PER_NODE=0)."""
+    assert script.count("#SBATCH --gpus-per-node=") == 1
+    return script.replace("#SBATCH --gpus-per-node=", "##SBATCH --gpus-per-node=")
+
 FAKE_CUDA = '''
 import os
 if os.environ.get("SLURM_STEP_ID") and os.environ.get("TEST_GPU_LOG"):  # a task of a job step, not the batch script
@@ -139,15 +146,25 @@ def test_04_takes_its_gpus_and_cores_from_a_step_under_exclusive(tmp_path):
 
 
 def test_04_counts_the_gpus_of_a_node_without_gres_by_its_device_files(tmp_path):
-    """A site that declares no GPU gres: Slurm sets no SLURM_GPUS_ON_NODE (nor CUDA_VISIBLE_DEVICES), so 04 counts
-    the device files (GPU_DEVICES: the stand-ins') and, where CUDA finds none, stops with one line a node. It took
-    2 processes a node and trained on the CPU."""
-    code, log, gpus, _ = sbatch(tmp_path / "job", "04_ddp_torchrun/submit.sh", ["--gpus-per-node=0", "--cpus-per-task=2"],
-                                ["--epochs", "1"], fake_cuda=False, env={"GPU_DEVICES": STAND_INS})
+    """A site that declares no GPU gres: a job that asks Slurm nothing about GPUs has no SLURM_GPUS* variable (nor
+    CUDA_VISIBLE_DEVICES), so 04 counts the device files (GPU_DEVICES: the stand-ins') and, where CUDA finds none,
+    stops with one line a node. It took 2 processes a node and trained on the CPU."""
+    code, log, gpus, _ = sbatch(tmp_path / "job", "04_ddp_torchrun/submit.sh", ["--cpus-per-task=2"],
+                                ["--epochs", "1"], fake_cuda=False, env={"GPU_DEVICES": STAND_INS},
+                                copy=without_gpus_per_node)
     assert code != 0 and not gpus, log
     for node in (N1, N2):
         assert f"error: {node}: CUDA finds 0 of its 4 GPUs for 4 processes: one process per working GPU" in log, log
     assert "rendezvous" not in log and "epoch" not in log, log  # torchrun never started
+
+
+def test_04_runs_a_job_that_asked_for_no_gpus_on_the_cpu_beside_the_device_files(tmp_path):
+    """--gpus-per-node=0 on GPU nodes (the pages' CPU examples): Slurm sets SLURM_GPUS_PER_NODE=0, so 04 counts
+    no device files and starts 2 processes a node on the CPU (it counted the stand-ins and refused the node)."""
+    code, log, _, _ = sbatch(tmp_path / "job", "04_ddp_torchrun/submit.sh", ["--gpus-per-node=0", "--cpus-per-task=2"],
+                             [*SYNTHETIC, "--epochs", "1"], fake_cuda=False, env={"GPU_DEVICES": STAND_INS})
+    assert code == 0, log
+    assert "2 processes per node" in log and "error" not in log, log
 
 
 def test_04_refuses_nodes_whose_cuda_finds_no_gpu(tmp_path):

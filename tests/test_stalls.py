@@ -17,7 +17,9 @@ REQUEUE_CODE = 144
 def test_the_third_run_in_a_row_without_progress_ends_the_job(monkeypatch, capsys, tmp_path):
     """Runs that stop where they resumed, with no step trained and no evaluation finished, count in the checkpoint;
     the third in a row ends with one line and exit code 1, which submit.sh and 06's batch script do not requeue. A run
-    that resumes at the end of an epoch and finishes its evaluation has made progress, even if it trains no step."""
+    that resumes at the end of an epoch and finishes its evaluation has made progress, even if it trains no step. The
+    count carries over only into a requeued run (SLURM_RESTART_COUNT above 0): a new job that resumes the file starts
+    at 0."""
     pending, when = set(), {}
     monkeypatch.setattr(signal, "sigpending", lambda: set(pending))  # what signalled() finds
     save = torch.save
@@ -34,7 +36,8 @@ def test_the_third_run_in_a_row_without_progress_ends_the_job(monkeypatch, capsy
     checkpoint = tmp_path / "ckpt.pt"
     runs = []
     try:
-        for stop in ["in_evaluation"] * 3 + ["after_save"] + ["start"] * 3:
+        for restart, stop in enumerate(["in_evaluation"] * 3 + ["after_save"] + ["start"] * 3 + ["start"]):
+            monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart % 7))  # the last run: a new job's first
             pending.clear()
             pending.update({signal.SIGUSR2} if stop == "start" else ())
             when.clear()
@@ -51,9 +54,10 @@ def test_the_third_run_in_a_row_without_progress_ends_the_job(monkeypatch, capsy
     assert [run[:4] for run in runs] == [
         (REQUEUE_CODE, 0, STEPS_PER_EPOCH, 0), (REQUEUE_CODE, 0, STEPS_PER_EPOCH, 1),
         (REQUEUE_CODE, 0, STEPS_PER_EPOCH, 2), (REQUEUE_CODE, 1, 0, 0), (REQUEUE_CODE, 1, 0, 1), (REQUEUE_CODE, 1, 0, 2),
-        (1, 1, 0, 3)], [r[4] for r in runs]
+        (1, 1, 0, 3), (REQUEUE_CODE, 1, 0, 1)], [r[4] for r in runs]
     assert "epoch 1/2 |" in runs[3][4] and "epoch 1/2 |" not in "".join(run[4] for run in runs[:3])
-    stops = [line for line in runs[-1][4].splitlines() if line.startswith("stopped")]
+    stops = [line for line in runs[-2][4].splitlines() if line.startswith("stopped")]
     assert len(stops) == 1 and re.fullmatch(
-        r"stopped at epoch 2 step 0 on SIGUSR2: saved in [\d.]+ s, exit code 1, not requeued: 3 runs in a row stopped "
-        r"before a step or an evaluation \(give the job more time than its start-up and the signal's lead\)", stops[0]), stops
+        r"stopped at epoch 2 step 0 on SIGUSR2: saved in [\d.]+ s, exit code 1, not requeued: 3 runs in a row made no "
+        r"step or evaluation \(a time limit below start-up \+ the signal's lead, or stops \(preemptions\) at each "
+        r"start\)", stops[0]), stops
