@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from argparse import Namespace
@@ -85,16 +86,33 @@ def run(cmd, timeout=120, env=None, cwd=REPO):
     return Result(proc.returncode, out, err, time.monotonic() - start)
 
 
+def server_env():
+    """The preloaded Python's environment: the tests' own (child_env), without PYTHONPATH (a sitecustomize there would
+    run in the server and stay in every process it forks)."""
+    env = child_env()
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def read_at_start(env):
+    """What a fresh Python, or torch at its import, reads from its environment (the server read its own)."""
+    return {name: value for name, value in env.items()
+            if name.startswith("PYTHON") and name not in ("PYTHON", "PYTHONPATH") or name.endswith("_NUM_THREADS")}
+
+
 class Preloaded:
     """The client of tests/preloaded.py: a Python with torch imported that forks a process for each script (one
-    server per pytest process, started at its first use)."""
+    server per pytest process, started at its first use; its stderr in preloaded-PID.log under the temporary folder)."""
     server = None
-    cpu = 0.0  # CPU seconds of the processes it ran that have ended (their descendants included)
+    cpu = 0.0  # CPU seconds of the processes it ran that the tests have waited for (their waited children included)
 
     def __init__(self):
         ours, theirs = socket.socketpair()
-        self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded.py"), str(theirs.fileno())],
-                                        pass_fds=[theirs.fileno()], env=child_env(), stdin=subprocess.DEVNULL)
+        self.log = Path(tempfile.gettempdir()) / f"preloaded-{os.getpid()}.log"
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded.py"), str(theirs.fileno())],
+                                            pass_fds=[theirs.fileno()], env=server_env(), stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=log)
         theirs.close()
         self.sock, self.ended, self.lock = ours, {}, threading.Lock()
 
@@ -104,42 +122,64 @@ class Preloaded:
             cls.server = cls()
         return cls.server
 
+    def _send(self, message, fds=()):
+        data = pickle.dumps(message)
+        socket.send_fds(self.sock, [len(data).to_bytes(4, "big")], list(fds))
+        self.sock.sendall(data)
+
     def _receive(self, timeout):
-        """The next message, or None at the timeout; an ended process's status goes to self.ended."""
+        """The next message, or None at the timeout; an ended process's exit code goes to self.ended."""
         if not select.select([self.sock], [], [], max(timeout, 0))[0]:
             return None
-        header = self.sock.recv(4, socket.MSG_WAITALL)
-        if not header:
-            pytest.fail(f"tests/preloaded.py ended (exit {self.process.wait()})")
-        size = int.from_bytes(header, "big")
-        message = pickle.loads(self.sock.recv(size, socket.MSG_WAITALL))
+        try:
+            header = self.sock.recv(4, socket.MSG_WAITALL)
+            message = pickle.loads(self.sock.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)) if header else None
+        except BaseException:  # a test's timeout between the two reads: the stream is out of step, start anew
+            Preloaded.server = None
+            raise
+        if message is None:
+            Preloaded.server = None
+            pytest.fail(f"tests/preloaded.py ended (exit {self.process.wait()}):\n{self.log.read_text()[-3000:]}")
         if message[0] == "ended":
             self.ended[message[1]] = message[2]
-            Preloaded.cpu += message[3]
+        return message
+
+    def _reply(self, kind, pid=None, timeout=60):
+        while (message := self._receive(timeout)) is None or message[0] != kind or pid not in (None, message[1]):
+            if message is None:
+                pytest.fail(f"tests/preloaded.py sent no {kind!r} in {timeout} s:\n{self.log.read_text()[-3000:]}")
         return message
 
     def start(self, argv, env, cwd, fds):
         with self.lock:
-            data = pickle.dumps((argv, env, str(cwd)))
-            socket.send_fds(self.sock, [len(data).to_bytes(4, "big")], fds)
-            self.sock.sendall(data)
-            while (message := self._receive(60)) is None or message[0] != "started":
-                if message is None:
-                    pytest.fail("tests/preloaded.py did not start a process in 60 s")
-            return message[1]
+            self._send(("start", argv, env, str(cwd)), fds)
+            return self._reply("started")[1]
 
     def returncode(self, pid, timeout):
-        """pid's exit code, waiting up to timeout seconds; None while it runs."""
+        """pid's exit code, waiting up to timeout seconds; None while it runs. The first time it is known, the server
+        collects the process (as Popen.wait does) and its CPU time counts."""
         deadline = time.monotonic() + timeout
         with self.lock:
             while pid not in self.ended and self._receive(deadline - time.monotonic()) is not None:
                 pass
-            return self.ended.get(pid)
+            if pid not in self.ended:
+                return None
+            self._send(("release", pid))
+            Preloaded.cpu += self._reply("released", pid)[2]
+            return self.ended.pop(pid)
 
 
 class Task:
     """A script run as `python script args` in the preloaded Python (tests/preloaded.py), with Popen's interface as
-    the tests use it (pid, poll, wait, communicate, stdout in text, returncode): what srun or a shell starts."""
+    the tests use it (pid, poll, wait, communicate, stdout in text, returncode): what srun or a shell starts. A fresh
+    process (Popen) where env differs from the server's in what a Python reads at its start, or where
+    TESTS_FRESH_PROCESSES=1."""
+
+    def __new__(cls, argv, env, cwd, stderr=subprocess.PIPE):
+        if os.environ.get("TESTS_FRESH_PROCESSES") == "1" or read_at_start(env) != read_at_start(server_env()):
+            return subprocess.Popen([sys.executable, *map(str, argv)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True, start_new_session=True)
+        return super().__new__(cls)
 
     def __init__(self, argv, env, cwd, stderr=subprocess.PIPE):
         out_r, out_w = os.pipe()
@@ -345,19 +385,27 @@ def cpu_seconds():
 
 
 def slurm_cpu_seconds(since):
-    """The CPU time of the jobs that ran on this worker's partitions since since (a datetime), every run of a requeued
-    job included (sacct -D; slurm_cluster.sh gathers it): what Slurm's daemons started for a test, which no
-    process of the test waits for."""
-    out = subprocess.run(["sacct", "-n", "-D", "-P", "-a", "-o", "JobID,TotalCPU", "-S",
-                          since.isoformat(timespec="seconds"), "-r", f"{SLURM_PARTITION},{SLURM_HIGH},cancel{WORKER or ''},wide"], capture_output=True,
-                         text=True).stdout
+    """The CPU time of the jobs submitted to this worker's partitions since since (a datetime), every run of a requeued
+    job included (sacct -D; slurm_cluster.sh gathers it): what Slurm's daemons started for a test, which no process
+    of the test waits for. The steps' records reach the database as each ends: waited for up to 10 s. The job on the
+    shared partition wide (05's lines as shipped) is not in it."""
+    partitions = f"{SLURM_PARTITION},{SLURM_HIGH},cancel{WORKER or ''}"
+    query = ["sacct", "-n", "-D", "-P", "-a", "-o", "JobID,Submit,End,TotalCPU", "-S",
+             since.isoformat(timespec="seconds"), "-r", partitions]
+    deadline = time.monotonic() + 10
+    while True:
+        rows = [line.split("|") for line in subprocess.run(query, capture_output=True, text=True, timeout=30)
+                .stdout.split()]
+        began = since.isoformat(timespec="seconds")
+        jobs = {job: end for job, submit, end, _ in rows if "." not in job and submit >= began}
+        steps = [(job, cpu) for job, _, _, cpu in rows if job.split(".")[0] in jobs and "." in job]
+        if all(end != "Unknown" for end in jobs.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     seconds = 0.0
-    for job, text in (line.split("|") for line in out.split()):  # [DD-[HH:]]MM:SS.mmm
-        if "." not in job:  # the steps' records (the batch script's too), which come as each ends; not the job's sum
-            continue
+    for _, text in steps:  # [DD-[HH:]]MM:SS.mmm
         days, _, clock = text.rpartition("-")
-        parts = [float(part) for part in clock.split(":")]
-        seconds += int(days or 0) * 86400 + sum(part * 60 ** i for i, part in enumerate(reversed(parts)))
+        seconds += int(days or 0) * 86400 + sum(float(part) * 60 ** i for i, part in enumerate(reversed(clock.split(":"))))
     return seconds
 
 

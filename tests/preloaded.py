@@ -1,18 +1,25 @@
 """A Python that has imported torch, and torch._dynamo (which torch.optim imports at its first call), once, and then
 forks a process for each script the tests start in it: such a process starts in a tenth of a second of CPU time
-instead of three and a half (the imports are most of a short run's cost). conftest.start() uses it for what srun
-or a shell would start (05's tasks, 01); launchers under test (mp.spawn, torchrun, submitit) and the data-loader
-workers that spawn or forkserver start begin as fresh interpreters, as they would anyway.
+instead of three and a half (the imports are most of a short run's cost). conftest.run() and conftest.Task use it
+for `python script.py` (01, 02, 03's and 06's launchers, 05's tasks as srun starts them, copies of 05); the
+children of launchers (mp.spawn, torchrun, submitit), the data-loader workers that spawn or forkserver start, and
+every process of a Slurm job begin as fresh interpreters, as they would anyway.
 
 The forked process sets what a fresh interpreter would have from its command line and environment before it runs
 the script: its own session, working directory, environment, stdin/stdout/stderr, sys.argv, sys.path (the script's
-folder and PYTHONPATH's) and a sitecustomize found on PYTHONPATH (the tests' hooks), then the script as __main__,
-and exits through the interpreter's normal exit (atexit handlers, exit code of SystemExit). What a fresh process
-reads at torch's import (OMP_NUM_THREADS) comes from this server's environment: the tests' own (child_env).
+folder and PYTHONPATH's) and a sitecustomize found on PYTHONPATH (the tests' hooks; an error there ends the
+process, where a fresh Python would print it and go on), then the script as __main__, and exits through the
+interpreter's normal exit (atexit handlers, SystemExit's code). What differs: the variables a fresh Python or torch
+reads at its start (PYTHON*, *_NUM_THREADS) come from this server's environment, so conftest.Task starts a fresh
+process where a task's differ; and the forked processes share this one's hash seed (str hashes, set order) and
+NumPy's random state, where srun's tasks each have their own. TESTS_FRESH_PROCESSES=1 makes every Task a fresh
+process, to tell a difference of this kind from a bug.
 
-Protocol, over the Unix socket given as fd argv[1]: a request is a pickled (argv, env, cwd) with the child's stdin,
-stdout and stderr as three file descriptors (socket.send_fds); the reply a pickled ("started", pid). When a child
-ends, a pickled ("ended", pid, returncode, cpu_seconds) follows (returncode as Popen's: -N for signal N)."""
+Protocol, over the Unix socket given as fd argv[1], each message a length and a pickle: ("start", argv, env, cwd)
+with the child's stdin, stdout and stderr as three file descriptors (socket.send_fds), answered ("started", pid);
+when a child ends, ("ended", pid, returncode) (as Popen's: -N for signal N), and it stays a zombie, as a Popen's
+child does until waited for, so that its pid is not reused and its process group still found; ("release", pid)
+collects it, answered ("released", pid, its CPU seconds and those of the children it waited for)."""
 import importlib.util
 import os
 import pickle
@@ -54,30 +61,34 @@ def run_child(argv, env, cwd, fds):
             sys.modules["sitecustomize"] = module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             break
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Exception as error:  # printed as Python prints it, from the script's frames on (not this server's), exit 1
+        frames = error.__traceback__
+        while frames and frames.tb_frame.f_code.co_filename != script:
+            frames = frames.tb_next
+        error.with_traceback(frames or error.__traceback__)
+        sys.excepthook(type(error), error, error.__traceback__)
+        sys.exit(1)
 
 
 def main():
     sock = socket.socket(fileno=int(sys.argv[1]))
-    children = {}
-    reaped_r, reaped_w = os.pipe()
-    os.set_blocking(reaped_w, False)
-    signal.set_wakeup_fd(reaped_w)
+    running = set()  # children whose exit this server has not reported yet
+    woken_r, woken_w = os.pipe()
+    os.set_blocking(woken_w, False)
+    signal.set_wakeup_fd(woken_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select() through the wakeup fd
     while True:
-        ready = select.select([sock, reaped_r], [], [])[0]
-        if reaped_r in ready:
-            os.read(reaped_r, 4096)
-            while children:
-                try:
-                    pid, status, usage = os.wait4(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                children.pop(pid, None)
-                send(sock, ("ended", pid, -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status),
-                            usage.ru_utime + usage.ru_stime))
+        ready = select.select([sock, woken_r], [], [])[0]
+        if woken_r in ready:
+            os.read(woken_r, 4096)
+            for pid in list(running):  # an exit is reported but not collected (WNOWAIT): as with Popen, the process
+                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # stays until the test waits
+                if ended:  # for it (its pid and process group stay its own: killpg() still finds it)
+                    running.discard(pid)
+                    exited = ended.si_code == os.CLD_EXITED
+                    send(sock, ("ended", pid, ended.si_status if exited else -ended.si_status))
         if sock in ready:
             header, fds, _, _ = socket.recv_fds(sock, 4, 3)
             if not header:
@@ -86,20 +97,25 @@ def main():
             data = b""
             while len(data) < size:
                 data += sock.recv(size - len(data))
-            argv, env, cwd = pickle.loads(data)
+            request = pickle.loads(data)
+            if request[0] == "release":  # the test has its exit code: collect it, with its CPU time
+                _, _, usage = os.wait4(request[1], 0)
+                send(sock, ("released", request[1], usage.ru_utime + usage.ru_stime))
+                continue
+            _, argv, env, cwd = request
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 sock.close()
-                os.close(reaped_r)
-                os.close(reaped_w)
+                os.close(woken_r)
+                os.close(woken_w)
                 run_child(argv, env, cwd, fds)
                 sys.exit(0)
             for fd in fds:
                 os.close(fd)
-            children[pid] = True
+            running.add(pid)
             send(sock, ("started", pid))
 
 
