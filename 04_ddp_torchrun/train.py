@@ -236,7 +236,7 @@ def train(args, rank, world_size, device):
     model = Net().to(device)
     optimizer = make_optimizer(model, args)
     settings = [dict(group, initial_lr=group["lr"]) for group in optimizer.param_groups]  # initial_lr: get_lr's base
-    # What a checkpoint holds and a resume restores, by name: add yours (an EMA of the weights: 01's page shows it).
+    # What a checkpoint holds and a resume restores, by name: add yours (a GradScaler, an EMA: 01's page).
     stateful = {"model": model, "optimizer": optimizer}
     position = load_checkpoint(args.checkpoint, stateful, rank0_work) if args.checkpoint else None
     for group, setting in zip(optimizer.param_groups, settings):

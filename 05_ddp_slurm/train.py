@@ -259,8 +259,8 @@ def check_launch(checkpoint, rank, local_rank):
     where = f"error: task {rank} on {socket.gethostname()}"
     tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(gpus)).split(",")  # "4(x2),2": 4,4,2
              for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
-    tasks, visible = tasks[int(os.environ.get("SLURM_NODEID", 0))], torch.cuda.device_count() if gpus else 0
-    if gpus and (not torch.cuda.is_available() or tasks != gpus or visible not in (1, gpus)):
+    tasks, visible = tasks[int(os.environ.get("SLURM_NODEID", 0))], torch.cuda.device_count()
+    if (gpus or visible) and (not torch.cuda.is_available() or tasks != gpus or visible not in (1, gpus)):  # or unasked
         sys.exit(f"{where}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} (CUDA_VISIBLE_DEVICES="
                  f"{os.environ.get('CUDA_VISIBLE_DEVICES')}): run one task per GPU (--ntasks-per-node as "
                  "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
@@ -314,7 +314,7 @@ def train(args, rank, world_size, device):
     model = Net().to(device)
     optimizer = make_optimizer(model, args)
     settings = [dict(group, initial_lr=group["lr"]) for group in optimizer.param_groups]  # initial_lr: get_lr's base
-    # What a checkpoint holds and a resume restores, by name: add yours (an EMA of the weights: 01's page shows it).
+    # What a checkpoint holds and a resume restores, by name: add yours (a GradScaler, an EMA: 01's page).
     stateful = {"model": model, "optimizer": optimizer}
     position = load_checkpoint(args.checkpoint, stateful, rank0_work) if args.checkpoint else None
     for group, setting in zip(optimizer.param_groups, settings):

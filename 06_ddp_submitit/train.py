@@ -57,7 +57,7 @@ def parse_args():
                         help="seconds a collective waits for a rank that stopped answering, then ends the run")
     parser.add_argument("--local", action="store_true", help="run the tasks as processes on this machine")
     parser.add_argument("--nodes", type=int, default=1, help="Slurm nodes")
-    parser.add_argument("--gpus-per-node", type=int, help="needed on Slurm (0: CPU nodes); --local: this machine's")
+    parser.add_argument("--gpus-per-node", type=int, help="needed on Slurm (0: CPU, GPUs not gres); --local: all here")
     parser.add_argument("--tasks-per-node", type=int, help="one per GPU (default: --gpus-per-node, or 2 without)")
     parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per process")
     parser.add_argument("--timeout-min", type=int, default=60, help="time limit of the job in minutes")
@@ -81,8 +81,8 @@ def parse_args():
     flags = {"nodes": "--nodes", "ntasks-per-node": "--tasks-per-node", "gpus-per-node": "--gpus-per-node",
              "cpus-per-task": "--cpus-per-task", "time": "--timeout-min", "output": "--log-dir", "error": "--log-dir",
              "open-mode": "--log-dir", **dict.fromkeys(["signal", "requeue", "job-name"], "none (06 needs its own)")}
-    for key in [key for key, _ in args.sbatch if key in flags]:  # submitit writes its own line after (the last wins)
-        parser.error(f"--sbatch {key}: 06 sets it, and submitit's own line would override yours; flag: {flags[key]}")
+    for key in [key for key, _ in args.sbatch if key in flags]:  # one of the two would be lost, or disagree with srun's
+        parser.error(f"--sbatch {key}: 06 sets it from its own flag: {flags[key]}")
     # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (a container's: thrown away).
     args.checkpoint = args.checkpoint and os.path.join(os.environ.get("SLURM_SUBMIT_DIR", ""), args.checkpoint)
     # submitit: the launcher often runs on a login node, whose GPUs (none) say nothing of the compute nodes'.
@@ -290,8 +290,8 @@ def check_launch(checkpoint, rank, local_rank):
     where = f"error: task {rank} on {socket.gethostname()}"
     tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(gpus)).split(",")  # "4(x2),2": 4,4,2
              for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
-    tasks, visible = tasks[int(os.environ.get("SLURM_NODEID", 0))], torch.cuda.device_count() if gpus else 0
-    if gpus and (not torch.cuda.is_available() or tasks != gpus or visible not in (1, gpus)):
+    tasks, visible = tasks[int(os.environ.get("SLURM_NODEID", 0))], torch.cuda.device_count()
+    if (gpus or visible) and (not torch.cuda.is_available() or tasks != gpus or visible not in (1, gpus)):  # or unasked
         sys.exit(f"{where}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} (CUDA_VISIBLE_DEVICES="
                  f"{os.environ.get('CUDA_VISIBLE_DEVICES')}): run one task per GPU (--ntasks-per-node as "
                  "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
@@ -345,7 +345,7 @@ def train(args, rank, world_size, device):
     model = Net().to(device)
     optimizer = make_optimizer(model, args)
     settings = [dict(group, initial_lr=group["lr"]) for group in optimizer.param_groups]  # initial_lr: get_lr's base
-    # What a checkpoint holds and a resume restores, by name: add yours (an EMA of the weights: 01's page shows it).
+    # What a checkpoint holds and a resume restores, by name: add yours (a GradScaler, an EMA: 01's page).
     stateful = {"model": model, "optimizer": optimizer}
     position = load_checkpoint(args.checkpoint, stateful, rank0_work) if args.checkpoint else None
     for group, setting in zip(optimizer.param_groups, settings):
@@ -445,7 +445,7 @@ def main():
     folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))  # submitit: a new log folder every launch
     executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None, slurm_python=args.python)
     executor.update_parameters(name="ddp-submitit", nodes=args.nodes, tasks_per_node=args.tasks_per_node,
-                               gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
+                               gpus_per_node=args.gpus_per_node or None, cpus_per_task=args.cpus_per_task,
                                timeout_min=args.timeout_min,
                                # submitit: as 05's submit.sh (which says why): threads, and a free port (bash only)
                                slurm_additional_parameters=dict(args.sbatch, requeue=True, signal="USR2@120"),

@@ -63,3 +63,20 @@ def test_a_job_that_asked_for_no_gpus_is_not_probed_and_trains_on_the_cpu(monkey
         monkeypatch.setenv(name, value)
     module.check_launch(str(tmp_path / "ckpt.pt"), 5, 1)  # no SystemExit: 2 tasks of a CPU job
     assert not [path for path in probed if path.startswith(f"{tmp_path}/nvidia")]
+
+
+@pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
+def test_a_job_without_gpus_where_cuda_sees_some_ends_with_one_line(monkeypatch, tmp_path, step):
+    """A job that has no GPUs (it asked for none, or GPU_DEVICES= for a CPU run) on a node where nothing fences the
+    GPUs off (no gres, no ConstrainDevices) would have setup() take cuda:local_rank unchecked: one line instead."""
+    module = load_step_module(step)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE", raising=False)
+    for name, value in dict(SLURM_GPUS_PER_NODE="0", SLURM_STEP_TASKS_PER_NODE="2", SLURM_NODEID="0",
+                            SLURM_JOB_ID="42").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stopped:
+        module.check_launch(str(tmp_path / "ckpt.pt"), 1, 1)
+    assert str(stopped.value).startswith(f"error: task 1 on {socket.gethostname()}: 2 tasks and 0 GPUs on it, and CUDA "
+                                         "sees 2 "), stopped.value
