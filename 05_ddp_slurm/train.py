@@ -1,9 +1,11 @@
 """Step 05: DDP under Slurm: srun starts the processes, and a stopped job goes back to the queue.
 
-Run:  sbatch 05_ddp_slurm/submit.sh --epochs 3   (from the repository root; see submit.sh for CPU runs)
+Run:  sbatch 05_ddp_slurm/submit.sh --epochs 3
+      (from the repository root; submit.sh shows a CPU run; Python 3.10 or later)
 
-Changed since 04: srun starts one task per GPU, each reading its place from SLURM_*. A stop signal (SIGUSR2 before
-the time limit, SIGTERM) stops all ranks at one step; rank 0 saves it, and submit.sh requeues the job to resume there.
+Changed since 04: srun starts one task per GPU, each reading its place from SLURM_*. A stop signal
+(SIGUSR2 before the time limit, SIGTERM) stops all ranks at one step; rank 0 saves it, and
+submit.sh requeues the job, which resumes there. The site checks are at the end.
 """
 import argparse
 import math
@@ -25,69 +27,101 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 
 def parse_args():
-    class Defaults(argparse.ArgumentDefaultsHelpFormatter):  # --help shows the defaults, but no "None"
+    class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+        # --help shows each flag's default, but no "(default: None)".
         def _get_help_string(self, action):
             return action.help if action.default is None else super()._get_help_string(action)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Defaults)  # names the step
+
+    # The first line of the docstring names the step.
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=HelpWithDefaults)
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per micro-batch in each process")
-    parser.add_argument("--test-batch-size", type=int, default=1000, help="samples per evaluation step in each process")
-    parser.add_argument("--lr", type=float, default=0.01, help="peak learning rate (make_optimizer: SGD, momentum 0.9)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and other randomness")
+    parser.add_argument("--batch-size", type=int, default=64,
+                        help="samples per micro-batch in each process")
+    parser.add_argument("--test-batch-size", type=int, default=1000,
+                        help="samples per evaluation step in each process")
+    parser.add_argument("--lr", type=float, default=0.01,
+                        help="peak learning rate (make_optimizer: SGD, momentum 0.9)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights, the data order and other randomness")
     parser.add_argument("--dataset", choices=["mnist", "synthetic"], default="mnist",
                         help="real MNIST, or MNIST-shaped data made in memory (no download)")
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int, default=0,
-                        help="data-loader worker processes per process (0: none, for data in memory; more for files)")
-    parser.add_argument("--checkpoint", metavar="PATH", help="save after every epoch; resume if PATH exists")
+                        help="data-loader worker processes per process "
+                             "(0: none, for data in memory; more for files)")
+    parser.add_argument("--checkpoint", metavar="PATH",
+                        help="save after every epoch; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
-                        help="steps between progress lines inside an epoch (0: only the line at its end)")
-    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches of --batch-size per optimizer step")
-    parser.add_argument("--warmup", type=float, default=0, help="fraction of the run in which the rate rises to --lr")
-    parser.add_argument("--cosine", action="store_true", help="then let the rate fall along a cosine to 0 at the end")
-    parser.add_argument("--amp", action="store_true", help="bf16 autocast (GPUs from Ampere on, real models)")
+                        help="steps between progress lines inside an epoch (0: none)")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches of --batch-size per optimizer step")
+    parser.add_argument("--warmup", type=float, default=0,
+                        help="fraction of the run in which the rate rises to --lr")
+    parser.add_argument("--cosine", action="store_true",
+                        help="then let the rate fall along a cosine to 0 at the end")
+    parser.add_argument("--amp", action="store_true",
+                        help="bf16 autocast (GPUs from Ampere on, real models)")
     parser.add_argument("--clip-grad", type=float, default=0, metavar="NORM",
-                        help="scale the gradient down to this norm before each optimizer step (0: never)")
-    parser.add_argument("--save-every", type=float, default=30, metavar="MINUTES",
-                        help="also save inside an epoch this often (0: never), for a job killed without a warning")
+                        help="scale the gradient down to this norm before each step (0: never)")
     parser.add_argument("--collective-timeout", type=float, default=600,
-                        help="seconds a collective waits for a rank that stopped answering, then ends the run")
+                        help="seconds a collective waits for a rank that stopped answering, "
+                             "then ends the run")
+    parser.add_argument("--save-every", type=float, default=30, metavar="MINUTES",
+                        help="also save inside an epoch this often (0: never), for a job killed "
+                             "without a warning")
     args = parser.parse_args()
-    if (min(args.epochs, args.batch_size, args.test_batch_size, args.accumulate) < 1 or not args.lr > 0
-            or min(args.workers, args.log_interval, args.clip_grad) < 0 or not 0 <= args.warmup < 1):
-        parser.error("--epochs, --batch-size, --test-batch-size and --accumulate must be at least 1, --lr above 0, "
-                     "--workers, --log-interval, --clip-grad and --warmup at least 0, --warmup below 1")
-    if not args.collective_timeout > 0 or args.save_every < 0:
-        parser.error("--collective-timeout must be above 0 seconds and --save-every at least 0")
-    # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (a container's: thrown away).
-    args.checkpoint = args.checkpoint and os.path.join(os.environ.get("SLURM_SUBMIT_DIR", ""), args.checkpoint)
+    minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1, workers=0,
+                    log_interval=0, clip_grad=0, save_every=0)
+    for flag, minimum in minimums.items():
+        if getattr(args, flag) < minimum:
+            parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}")
+    if not args.lr > 0:
+        parser.error("--lr must be above 0")
+    if not 0 <= args.warmup < 1:
+        parser.error("--warmup must be at least 0 and below 1")
+    if not args.collective_timeout > 0:
+        parser.error("--collective-timeout must be above 0 seconds")
+    # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (in a
+    # container, one that is thrown away). check_launch() refuses a folder missing there.
+    if args.checkpoint and "SLURM_SUBMIT_DIR" in os.environ:
+        args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint)
     return args
 
 
-# Your task replaces these, down to make_optimizer: the data, the model, the loss and metric, the optimizer.
+# Your task replaces these, down to get_lr: the data, the model, the loss and metric, the optimizer
+# and its schedule.
 def load_datasets(args):
-    """Returns (train, test): datasets that take one index and return one (image, label), as torchvision's do.
-    These two are decoded and normalised into memory once; yours may read each sample from disk instead."""
-    if args.dataset == "synthetic":  # each class is a fixed random pattern under noise, the same everywhere
+    """Returns (train, test): datasets that take one index and return one (image, label), as
+    torchvision's do. These two are decoded into memory once; yours may read each sample from disk.
+    Their images are not in 0..1 (as a BCE loss needs): MNIST is normalised to mean 0 and standard
+    deviation 1 (-0.42 to 2.82), the synthetic set is Gaussian."""
+    if args.dataset == "synthetic":
+        # Each class is a fixed random pattern under noise, the same on every machine.
         generator = torch.Generator().manual_seed(1234)
         patterns = 2 * torch.randn(10, 1, 28, 28, generator=generator)
         labels = torch.randint(0, 10, (4_000,), generator=generator)
         images = patterns[labels] + torch.randn(len(labels), 1, 28, 28, generator=generator)
-        return TensorDataset(images[:3_200], labels[:3_200]), TensorDataset(images[3_200:], labels[3_200:])
+        return (TensorDataset(images[:3_200], labels[:3_200]),
+                TensorDataset(images[3_200:], labels[3_200:]))
     from torchvision import datasets  # imported only for MNIST: it takes a second or more
     try:  # downloads what --data-dir lacks (torchvision checks the files first)
-        splits = [datasets.MNIST(args.data_dir, train=train, download=True) for train in (True, False)]
+        splits = [datasets.MNIST(args.data_dir, train=train, download=True)
+                  for train in (True, False)]
     except (OSError, RuntimeError) as error:  # no internet, as on many compute nodes
         reason = " ".join(str(error).split())  # torchvision's message spans lines
-        sys.exit(f"error: MNIST is not in {args.data_dir} and could not be downloaded ({reason}); fetch it where "
-                 f"there is internet: python -c \"from torchvision.datasets import MNIST; MNIST('{args.data_dir}', "
-                 f"download=True)\", then copy the folder (or use --dataset synthetic)")
-    return [TensorDataset((s.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, s.targets) for s in splits]
+        fetch = f"from torchvision.datasets import MNIST; MNIST('{args.data_dir}', download=True)"
+        sys.exit(f"error: MNIST is not in {args.data_dir} and could not be downloaded "
+                 f"({reason}); fetch it where there is internet: python -c \"{fetch}\", "
+                 "then copy the folder (or use --dataset synthetic)")
+    return [TensorDataset((split.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, split.targets)
+            for split in splits]
 
 
 class Net(nn.Module):
-    """A small CNN without dropout or BatchNorm (03's page says why). SiLU and average pooling, not ReLU and max
-    pooling: smooth, so the rounding differences between steps (DDP adds in another order) stay near 1e-6."""
+    """A small CNN without dropout or BatchNorm (03's page says why). SiLU and average pooling, not
+    ReLU and max pooling: smooth, so that the rounding differences between steps (DDP adds in
+    another order) stay near 1e-6."""
 
     def __init__(self):
         super().__init__()
@@ -106,305 +140,465 @@ METRIC = "accuracy"  # the epoch line's name for metric sum / count
 
 
 def loss_and_metric(output, target):
-    """Returns (loss sum, metric sum, count) of a batch: sums over what the loss is a mean of (samples here; tokens,
-    say, for a sequence model), which add up exactly over batches and ranks. Training minimises loss sum / count."""
+    """Returns (loss sum, metric sum, count) of a batch. Sums over what the loss is a mean of
+    (samples here; tokens, say, for a sequence model) add up exactly over batches and ranks.
+    Training minimises loss sum / count."""
     loss = F.cross_entropy(output, target, reduction="sum")
     return loss, (output.argmax(dim=1) == target).sum(), len(target)
 
 
 def make_optimizer(model, args):
-    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # per-group rates and AdamW work too
+    # Parameter groups with rates of their own, and AdamW, work too: get_lr scales each group's.
+    return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
-def get_lr(step, steps, args):  # the rate of optimizer step `step` of the run's `steps`, times each group's own
-    warmup = args.warmup * steps  # optimizer steps of warm-up; 0 without --warmup
-    if step < warmup:  # rises linearly
-        return (step + 1) / (warmup + 1)
-    if args.cosine:  # then falls along a cosine, to 0 at the end
-        return (1 + math.cos(math.pi * min(1, (step - warmup) / (steps - warmup)))) / 2
-    return 1
+def get_lr(step, steps, peak_lr, args):
+    """The learning rate of optimizer step `step` (from 0) of the run's `steps`, for a parameter
+    group whose rate in make_optimizer is peak_lr."""
+    warmup_steps = args.warmup * steps  # 0 without --warmup
+    if step < warmup_steps:  # rises linearly
+        return peak_lr * (step + 1) / (warmup_steps + 1)
+    if not args.cosine:  # then stays
+        return peak_lr
+    progress = min(1, (step - warmup_steps) / (steps - warmup_steps))  # or falls to 0
+    return peak_lr * (1 + math.cos(math.pi * progress)) / 2
 
 
-class ResumableSampler(DistributedSampler):
-    """SLURM: skips this rank's first `start` indices (trained before a stop); its length stays the epoch's."""
-    start = 0
-
-    def __iter__(self):
-        return iter(list(super().__iter__())[self.start:])
-
-
-STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # SLURM: the time-limit warning; a preemption or scancel
-STOP = {}  # SLURM: {"signal": the first stop signal this process had}, set by the handler
-STOP_CHECK_SECONDS = 2  # SLURM: the ranks agree on stopping about this often (a collective that waits for the GPU)
-STOPPED = 144  # SLURM: the exit code of tasks that stopped and saved; the batch script then requeues the job
+# SLURM: stopping inside an epoch, and resuming there. A stop takes this path:
+# 1. Slurm signals every task: SIGUSR2 before the time limit (submit.sh's --signal), SIGTERM on a
+#    preemption or a scancel. catch_stop_signals() makes it a note instead of the end.
+# 2. train_one_epoch() asks every STOP_CHECK_SECONDS, between two optimizer steps, whether any rank
+#    has had one (max_over_ranks), so that all stop at the same step.
+# 3. save_inside_epoch() has rank 0 save that step, with the epoch's loss so far, and picks the
+#    exit code: REQUEUE_EXIT_CODE. It also saves every --save-every minutes.
+# 4. submit.sh (06: its slurm_teardown) requeues the job on that code, from the host. The job
+#    starts again under the same id, and train() resumes the step: ResumableSampler skips the
+#    samples trained before it.
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+REQUEUE_EXIT_CODE = 144  # of tasks that stopped and saved: submit.sh requeues the job
+STOP_CHECK_SECONDS = 2  # how often the ranks agree (each time a collective waits for the GPU)
+received_stop_signals = []  # noted by the handler
 
 
 def catch_stop_signals():
-    """SLURM: Slurm signals data-loader workers too (no handler under spawn, forkserver): blocked, they stay pending."""
+    """SLURM: a stop signal is noted from here on. Slurm signals the data-loader workers too,
+    which have no handler under spawn or forkserver: blocked, the signal stays pending there."""
     for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda signum, frame: STOP.setdefault("signal", signum))
+        signal.signal(signum, lambda signum, frame: received_stop_signals.append(signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    multiprocessing.resource_tracker.ensure_running()  # it unblocks SIGTERM where it starts: here, so blocked again
+    # The resource tracker unblocks SIGTERM where it starts (here), so it is blocked again.
+    multiprocessing.resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
-def signalled():
-    """SLURM: the stop signal this process has had (through the handler, or pending where it is blocked), or 0."""
-    return STOP.get("signal") or max(signal.sigpending() & set(STOP_SIGNALS), default=0)
+def stop_signal_received():
+    """SLURM: the stop signal this process had (noted by the handler, or pending where it is
+    blocked), or 0."""
+    if received_stop_signals:
+        return received_stop_signals[0]
+    return max(signal.sigpending() & set(STOP_SIGNALS), default=0)
 
 
-def stop_requested(device, since=0, started=0):
-    """SLURM: a collective; returns the same on every rank, so that all stop (or save) at one step and plan the
-    next check alike: the stop signal a rank has had (else 0), the slowest rank's seconds since since and started."""
-    state = torch.tensor([float(signalled()), time.monotonic() - since, time.monotonic() - started], device=device)
-    dist.all_reduce(state, op=dist.ReduceOp.MAX)
-    signum, seconds, running = state.tolist()
-    return int(signum), seconds, running
+def max_over_ranks(values, device):
+    """SLURM: a collective that returns each value's largest over the ranks: the same list on
+    every rank, so that all decide alike."""
+    values = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
 
 
-def train_one_epoch(args, model, loader, optimizer, scheduler, device, epoch, start_step):
-    """One pass over loader from optimizer step start_step, or until all ranks stop at one step, --save-every minutes
-    in or on a stop signal; returns ([loss sum, count, samples] of all ranks, that step or None, the signal)."""
+class ResumableSampler(DistributedSampler):
+    """SLURM: a DistributedSampler that skips the first `skip` indices of this rank's share (the
+    steps trained before a stop); its length stays the whole epoch's."""
+
+    def set_epoch(self, epoch, skip=0):
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.skip:])
+
+
+def start_progress(args, resumed, world_size, train_samples):
+    """SLURM: where this run starts, as the plain data that a save inside an epoch stores: the
+    epoch and its steps trained, their loss sums, what decides each step's samples, and how many
+    runs in a row stopped where they resumed (in a requeued job; a new job starts at 0)."""
+    progress = dict(epoch=0, step=0, loss_sum=0.0, count=0.0, stalled_runs=0,
+                    world_size=world_size, batch_size=args.batch_size, accumulate=args.accumulate,
+                    sample_order=[world_size * args.batch_size * args.accumulate, args.seed,
+                                  train_samples])  # the global batch, the seed, the data size
+    if resumed and resumed.get("step"):  # saved inside an epoch: it goes on there
+        check_sample_order(args.checkpoint, resumed, progress)  # a site check (the end)
+        progress.update(resumed)
+    elif resumed:
+        progress["epoch"] = resumed["epoch"]
+    if not int(os.environ.get("SLURM_RESTART_COUNT", 0)):
+        progress["stalled_runs"] = 0
+    progress["resumed_at"] = [progress["epoch"], progress["step"]]
+    return progress
+
+
+def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
+    """SLURM: rank 0 saves the model after progress["step"] steps of progress["epoch"], on a stop
+    or every --save-every minutes. Returns the exit code for a stop."""
+    is_main = dist.get_rank() == 0
+    stalled = [progress["epoch"], progress["step"]] == progress["resumed_at"]
+    stalled_runs = progress["stalled_runs"] + 1 if stalled else 0  # in a row, and this one
+    began = time.perf_counter()
+    if args.checkpoint and is_main:
+        save_checkpoint(args.checkpoint, checkpointed, progress | {"stalled_runs": stalled_runs})
+    dist.barrier(group=gloo_group)  # DDP: the others wait until the checkpoint is complete
+    where = f"epoch {progress['epoch'] + 1} step {progress['step']}"
+    saved = f"saved in {time.perf_counter() - began:.1f} s"
+    if not stop_signal:
+        if is_main and args.checkpoint:
+            print(f"saved at {where} (--save-every {args.save_every:g})", flush=True)
+        return 0
+    if not args.checkpoint:
+        exit_code = 0
+        outcome = ("no --checkpoint, so nothing is saved and the job is not requeued (it would "
+                   "start over)")
+    elif stalled_runs < 3:  # submit.sh requeues the job on this code
+        exit_code = REQUEUE_EXIT_CODE
+        outcome = f"{saved}, exit code {REQUEUE_EXIT_CODE} to be requeued"
+    else:  # a time limit that start-up and the signal's lead use up would requeue the job for ever
+        exit_code = 1
+        outcome = (f"{saved}, exit code 1, not requeued: {stalled_runs} runs in a row made no "
+                   "step or evaluation (a time limit below start-up + the signal's lead, or "
+                   "stops (preemptions) at each start)")
+    if is_main:
+        print(f"stopped at {where} on {signal.Signals(stop_signal).name}: {outcome}", flush=True)
+    return exit_code
+
+
+def make_loaders(args, rank, world_size, device, gloo_group):
+    # Returns (train loader, test loader) of --dataset: this rank's share of each.
+    if rank != 0:  # DDP: rank 0 loads the data first, downloading what is missing; the others next
+        dist.barrier(group=gloo_group)
+    train_set, test_set = load_datasets(args)
+    if rank == 0:
+        dist.barrier(group=gloo_group)
+    # DDP: each rank takes every world_size-th index of the epoch's order (set by train() each
+    # epoch), padded to the same number of steps; and a disjoint slice of the test set, not
+    # padded, so that the sums over ranks are exact.
+    sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
+    test_set = Subset(test_set, range(rank, len(test_set), world_size))
+    loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda",
+                       persistent_workers=args.workers > 0)
+    train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, **loader_args)
+    test_loader = DataLoader(test_set, args.test_batch_size, **loader_args)
+    return train_loader, test_loader
+
+
+def train_step(args, model, batches, micro_batches, optimizer, device, sums):
+    """One optimizer step over the next micro_batches batches; adds their [loss sum, count,
+    samples] to sums."""
+    for micro_batch in range(micro_batches):
+        inputs, targets = (tensor.to(device, non_blocking=True) for tensor in next(batches))
+        # bf16 where autocast finds it safe (--amp). DDP: no_sync() skips the gradients'
+        # all-reduce, which the last micro-batch's backward does.
+        with (model.no_sync() if micro_batch < micro_batches - 1 else nullcontext(),
+              torch.autocast(device.type, torch.bfloat16, enabled=args.amp)):
+            loss_sum, _, count = loss_and_metric(model(inputs), targets)
+        # The gradients add up to those of the mean of the micro-batches' mean losses.
+        (loss_sum / count / micro_batches).backward()
+        sums[0] += loss_sum.detach()  # stays on the device: no GPU sync per step
+        sums[1] += count
+        sums[2] += len(inputs)
+    if args.clip_grad:  # the whole step's gradient, after its last backward (DDP: all-reduced)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
+    """Trains progress["epoch"] from step progress["step"] to its end, or until the ranks stop
+    together (SLURM: a stop signal, or --save-every minutes); adds to progress what it trained.
+    Returns (samples trained, the stop signal a rank had or 0)."""
     model.train()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
-    logged, logged_at = totals.clone(), time.perf_counter()  # the totals and time at the last progress line
-    check_at, every, stopped_at, signum = start_step, 1, None, 0
+    epoch, stop_signal = progress["epoch"], 0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
+    logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
+    batches = iter(loader)  # draws the epoch's order: before the seeding below
+    steps = math.ceil(len(loader) / args.accumulate)  # optimizer steps of the epoch
+    next_check, steps_between_checks = progress["step"], 1  # SLURM: when the ranks agree
     started = last_check = time.monotonic()
-    batches, steps = iter(loader), math.ceil(len(loader) / args.accumulate)  # iter() draws: before the seeding below
-    for step in range(start_step, steps):
-        if step == check_at:  # SLURM: each check waits for the GPU, so as many steps apart as take STOP_CHECK_SECONDS
-            signum, seconds, running = stop_requested(device, last_check, started)
-            if signum or 0 < 60 * args.save_every <= running:  # SLURM: only here, between two optimizer steps
-                stopped_at = step
+    for step in range(progress["step"], steps):
+        if step == next_check:  # SLURM: as many steps apart as take STOP_CHECK_SECONDS
+            now = time.monotonic()
+            stop_signal, since_check, running = max_over_ranks(
+                [stop_signal_received(), now - last_check, now - started], device)
+            if stop_signal or 0 < 60 * args.save_every <= running:
                 break
-            every = max(1, min(2 * every, int(STOP_CHECK_SECONDS * every / max(seconds, 1e-6))))  # alike on all ranks
-            check_at, last_check = step + every, time.monotonic()
-        torch.default_generator.manual_seed(seed := hash((args.seed, dist.get_rank(), epoch, step)))  # DDP: per rank
-        if device.type == "cuda":  # not torch.manual_seed, which seeds every kind of device: 0.1 ms a call
-            torch.cuda.manual_seed_all(seed)  # every GPU's generator (02's replicas draw on all of them)
-        group = min(args.accumulate, len(loader) - step * args.accumulate)  # the epoch's last group may be short
-        for micro in range(group):
-            inputs, targets = (tensor.to(device, non_blocking=True) for tensor in next(batches))
-            with (model.no_sync() if micro < group - 1 else nullcontext(),  # DDP: all-reduce in the last backward only
-                  torch.autocast(device.type, torch.bfloat16, enabled=args.amp)):  # bf16 where autocast finds it safe
-                loss_sum, _, count = loss_and_metric(model(inputs), targets)
-            (loss_sum / count / group).backward()  # the gradients add up to those of the mean of the group's means
-            totals[0] += loss_sum.detach()  # stays on the device: no GPU sync per step
-            totals[1] += count
-            totals[2] += len(inputs)
-        if args.clip_grad:  # the whole step's gradient, after its last backward (DDP: the all-reduced one)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if dist.get_rank() == 0 and args.log_interval and (step + 1) % args.log_interval == 0:  # DDP: rank 0 prints
-            (loss_sum, count, samples), now = (totals - logged).tolist(), time.perf_counter()
-            # DDP: rank 0's own loss (an average over ranks would take a collective); each rank trains as many.
+            steps_between_checks = max(1, min(2 * steps_between_checks, int(
+                STOP_CHECK_SECONDS * steps_between_checks / max(since_check, 1e-6))))
+            next_check, last_check = step + steps_between_checks, time.monotonic()
+        # Dropout and other random draws as if the run was never stopped: seeded by the step.
+        # Not torch.manual_seed, which seeds every kind of device: 0.1 ms a call.
+        seed = hash((args.seed, dist.get_rank(), epoch, step))  # DDP: and by the rank
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed_all(seed)  # every GPU's generator (02's replicas use them all)
+        for group, peak_lr in zip(optimizer.param_groups, peak_lrs):
+            group["lr"] = get_lr(epoch * steps + step, args.epochs * steps, peak_lr, args)
+        # The epoch's last step may have fewer micro-batches.
+        micro_batches = min(args.accumulate, len(loader) - step * args.accumulate)
+        train_step(args, model, batches, micro_batches, optimizer, device, sums)
+        progress["step"] = step + 1
+        # DDP: rank 0 prints its own loss (an average over ranks would take a collective).
+        if dist.get_rank() == 0 and args.log_interval and (step + 1) % args.log_interval == 0:
+            # One GPU sync per progress line, none between.
+            (loss_sum, count, samples), now = (sums - logged_sums).tolist(), time.perf_counter()
+            # DDP: every rank trains as many samples.
             print(f"epoch {epoch + 1} step {step + 1}/{steps} | loss {loss_sum / count:.4f} "
-                  f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} samples/s", flush=True)
-            logged, logged_at = totals.clone(), now
-    dist.all_reduce(totals)  # DDP: sum over ranks, so rank 0 reports the global mean loss
-    return totals.tolist(), stopped_at, signum
+                  f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} "
+                  "samples/s", flush=True)
+            logged_sums, logged_at = sums.clone(), now
+    dist.all_reduce(sums)  # DDP: sum over ranks, so that rank 0 reports the global mean loss
+    progress["loss_sum"] += sums[0].item()
+    progress["count"] += sums[1].item()
+    return int(sums[2]), int(stop_signal)
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
+def evaluate(model, loader, device, seed):
     """Returns [loss sum, metric sum, count] over loader."""
     model.eval()
+    torch.manual_seed(seed)  # a model that samples (a VAE) gives the same figures after a resume
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for inputs, targets in loader:
-        if signalled():  # SLURM: train() then stops; no collective here, as ranks may have one batch more than others
-            break
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    for batch in loader:
+        if stop_signal_received():  # SLURM: train() stops; no collective here (ranks may have
+            break  # one batch more than others)
+        inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
         for i, value in enumerate(loss_and_metric(model(inputs), targets)):
             sums[i] += value  # on the device: no GPU sync per batch
     dist.all_reduce(sums)  # DDP: add up the ranks' disjoint shards
     return sums.tolist()
 
 
-def save_checkpoint(path, stateful, **position):
-    """Saves each stateful object's state_dict() by name, and the position: a crash mid-write leaves the old file."""
+def save_checkpoint(path, checkpointed, progress):
+    """Saves each object's state_dict() by name, and the progress (plain numbers). A crash while
+    writing leaves the previous file whole."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
-        torch.save({**{name: obj.state_dict() for name, obj in stateful.items()}, **position}, f)
+        torch.save({name: obj.state_dict() for name, obj in checkpointed.items()} | progress, f)
         f.flush()
         os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
 
 
-def load_checkpoint(path, stateful, group):
-    """Restores each stateful object from path if it exists; returns where it left off ({"epoch": ...}), or None.
-    The file is mapped, not read: its tensors are copied once, onto this process's device, and nothing else kept."""
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if os.path.exists(path) else None
-    # DDP: every rank maps the file (a node's ranks share its pages). If one sees no file or another, as where a
-    # node's view of shared storage lags, all stop with one line rather than train from different states.
-    position = state and {key: value for key, value in state.items() if key not in stateful}
-    positions = [None] * dist.get_world_size()
-    dist.all_gather_object(positions, position, group=group)  # DDP: every rank's position (a few numbers)
-    if any(p != positions[0] for p in positions):
-        seen = [f"epoch {p['epoch']} step {p.get('step', 0)}" if p else "no file" for p in (position, positions[0])]
-        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds {seen[0]} at {path}, rank 0 "
-                 f"{seen[1]}: start again once every node sees rank 0's file" if position != positions[0] else 1)
-    for name, obj in stateful.items() if state is not None else ():
-        obj.load_state_dict(state.pop(name))  # onto this process's device, whatever the saver's was
-    return position
+def load_checkpoint(path, checkpointed):
+    """Restores each object of checkpointed from path; returns the progress saved with them
+    ({"epoch": ...}), or None where path does not exist. The file is mapped, not read: each tensor
+    is copied once, onto this process's device."""
+    if not os.path.exists(path):
+        return None
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    for name, obj in checkpointed.items():
+        obj.load_state_dict(state.pop(name))  # onto this process's device, whatever the saver's
+    return state  # what is left: the progress
 
 
-def check_launch(checkpoint, rank, local_rank):
-    """SLURM: a wrong launch ends here with one line, before any rank waits for another (05's page lists the checks)."""
-    asked = any(name.startswith("SLURM_GPUS") for name in os.environ)  # the job asked Slurm: SLURM_GPUS_ON_NODE decides
-    prefix = "" if asked else os.environ.get("GPU_DEVICES", "/dev/nvidia")  # else GPU device files (a dead driver's)
-    files = sum(os.path.exists(f"{prefix}{index}") for index in range(64)) if prefix else 0  # GPU_DEVICES=: a CPU job
-    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE", 0)) if asked else max(files, torch.cuda.device_count())
-    where = f"error: task {rank} on {socket.gethostname()}"
-    tasks = [int(n) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(gpus)).split(",")  # "4(x2),2": 4,4,2
-             for n, _, times in [part.rstrip(")").partition("(x")] for _ in range(int(times or 1))]
-    tasks, visible = tasks[int(os.environ.get("SLURM_NODEID", 0))], torch.cuda.device_count()
-    if (gpus or visible) and (not torch.cuda.is_available() or tasks != gpus or visible not in (1, gpus)):  # or unasked
-        sys.exit(f"{where}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} (CUDA_VISIBLE_DEVICES="
-                 f"{os.environ.get('CUDA_VISIBLE_DEVICES')}): run one task per GPU (--ntasks-per-node as "
-                 "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
-    folder = os.path.dirname(os.path.abspath(checkpoint or ""))  # with no --checkpoint, nothing to check
-    if checkpoint and "SLURM_JOB_ID" in os.environ and not os.path.isdir(folder):
-        sys.exit(f"{where}: no checkpoint folder {folder}: make it before the job (and mount it there in a container)")
-    if rank == 0 and int(os.environ.get("SLURM_RESTART_COUNT", 0)) and not os.path.exists(checkpoint or ""):
-        print(f"requeued, but no checkpoint at {checkpoint}: starting over", flush=True)
+def exit_with_error(message, is_main):
+    # DDP: every rank exits with code 1, and rank 0 alone prints why: one line, not one a rank.
+    if is_main:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def setup(rank, local_rank, world_size, timeout, store=None):
-    """DDP: pick this process's device and join the process group (at store, or MASTER_ADDR:MASTER_PORT)."""
+    """DDP: picks this process's device and joins the process group (at store, or at
+    MASTER_ADDR:MASTER_PORT)."""
     if torch.cuda.is_available():
-        # SLURM: its local rank's GPU of the node's, or where the site binds one to each task, its own, as cuda:0.
-        device, backend = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0), "nccl"
+        # SLURM: its local rank's GPU of the node's, or where the site binds one GPU to each
+        # task, its own, as cuda:0.
+        device = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)
+        backend = "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-    # DDP: a collective fails after timeout seconds without every rank, and the launcher then ends the others.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
-    facts = (f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} pid {os.getpid()} "
-             f"device {device} backend {backend} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
-    print(facts + "\n", end="", flush=True)  # one write, so that the ranks' lines do not interleave
+    # DDP: a collective fails after timeout seconds without every rank; the launcher then ends
+    # the others.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout))
+    print(f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} "
+          f"pid {os.getpid()} device {device} backend {backend} "
+          f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}\n",
+          end="", flush=True)  # one write, so that the ranks' lines do not interleave
     return device
 
 
 def train(args, rank, world_size, device):
-    is_main = rank == 0  # DDP: only global rank 0 downloads, prints and saves
-    # DDP: the others wait here while rank 0 alone downloads or saves: at least an hour (Gloo: takes no GPU memory).
-    rank0_work = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, args.collective_timeout)))
-    if device.type == "cuda":  # SLURM: tasks that share a GPU (--gpu-bind=map_gpu:0) would fail in NCCL, on every rank
-        gpus = [None] * world_size  # each rank's (host, GPU UUID): under ConstrainDevices every index is 0
-        mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
-        dist.all_gather_object(gpus, mine, group=rank0_work)  # over Gloo, before NCCL's first call
-        shared = [(r, *gpu) for r, gpu in enumerate(gpus) if gpus.count(gpu) > 1]
-        if shared:  # every rank ends; rank 0 names the tasks
-            sys.exit(f"error: tasks share a GPU (task, host, UUID): {shared}: give each its own GPU" if is_main else 1)
-    if not is_main:  # DDP: rank 0 loads the data first, downloading what is missing; the others once it has
-        dist.barrier(group=rank0_work)
-    train_set, test_set = load_datasets(args)
-    if is_main:
-        dist.barrier(group=rank0_work)
-    test_set = Subset(test_set, range(rank, len(test_set), world_size))  # DDP: disjoint slices, no padding: exact sums
-    # DDP: each rank takes every world_size-th index of the epoch's order, padded to the same number of steps.
-    sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
-    loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **loader_args)
-    test_loader = DataLoader(test_set, batch_size=args.test_batch_size, **loader_args)
-
+    """Returns the exit code: 0, or SLURM: a stop's (save_inside_epoch)."""
+    is_main = rank == 0  # DDP: only global rank 0 prints and saves
+    # DDP: a group in which the others wait while rank 0 alone downloads or saves: at least an
+    # hour. Gloo, so that it takes no GPU memory.
+    gloo_group = dist.new_group(backend="gloo",
+                                timeout=timedelta(seconds=max(3600, args.collective_timeout)))
+    if device.type == "cuda":  # SLURM: a site check (the end of this file)
+        check_gpus_not_shared(device, gloo_group, is_main)
+    train_loader, test_loader = make_loaders(args, rank, world_size, device, gloo_group)
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
     optimizer = make_optimizer(model, args)
-    settings = [dict(group, initial_lr=group["lr"]) for group in optimizer.param_groups]  # initial_lr: get_lr's base
-    # What a checkpoint holds and a resume restores, by name: add yours (a GradScaler, an EMA: 01's page).
-    stateful = {"model": model, "optimizer": optimizer}
-    position = load_checkpoint(args.checkpoint, stateful, rank0_work) if args.checkpoint else None
-    for group, setting in zip(optimizer.param_groups, settings):
-        group.update(setting)  # this run's rates and settings (a changed flag), not the saved ones
-    # The rate of optimizer step s is a formula of s (as nanoGPT's): a resume recomputes it from the steps trained, as
-    # this run counts them, under another --epochs, --lr or global batch too.
-    per_epoch = math.ceil(len(train_loader) / args.accumulate)  # optimizer steps of an epoch
-    steps = args.epochs * per_epoch  # of the run
-    steps_done = position["epoch"] * per_epoch + position.get("step", 0) if position else 0  # before this run
-    scheduler = torch.optim.lr_scheduler.LambdaLR(  # built at the steps done: its first rate is the next step's
-        optimizer, lambda step: get_lr(step, steps, args), last_epoch=steps_done - 1)
-    start_epoch = position["epoch"] if position else 0
-    layout = (world_size * args.batch_size * args.accumulate, args.seed, len(train_set))  # SLURM: a step's samples
-    start_step, done = (position["step"], position["totals"]) if position and position.get("step") else (0, [0, 0])
-    if start_step and position["layout"] != layout:
-        sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1} with {position['world_size']} "
-                 f"processes x {position['batch_size']} samples x --accumulate {position['accumulate']} per step, "
-                 f"--seed {position['layout'][1]} and {position['layout'][2]} training samples; resume it with the "
-                 f"same global batch, seed and data (now {world_size} x {args.batch_size} x {args.accumulate}, "
-                 f"{args.seed}, {len(train_set)}) or from an end-of-epoch checkpoint" if is_main else 1)
-    if position and is_main:
-        print(f"resumed from {args.checkpoint} after epoch {start_epoch} step {start_step}", flush=True)
+    peak_lrs = [group["lr"] for group in optimizer.param_groups]  # this run's, not a checkpoint's
+    # What a checkpoint holds and a resume restores, by name: add yours (01's page: an EMA).
+    checkpointed = {"model": model, "optimizer": optimizer}
+    resumed = load_checkpoint(args.checkpoint, checkpointed) if args.checkpoint else None
+    check_same_checkpoint(args.checkpoint, resumed, gloo_group)  # DDP: a site check (the end)
+    progress = start_progress(args, resumed, world_size, len(train_loader.dataset))  # SLURM
+    if resumed and is_main:
+        print(f"resumed from {args.checkpoint} after epoch {progress['epoch']} "
+              f"step {progress['step']}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-
-    def save_position(epoch, step, signum=0):  # SLURM: the model after `step` steps of `epoch`, and what they mean
-        carried = (position or {}).get("stuck", 0) if int(os.environ.get("SLURM_RESTART_COUNT", 0)) else 0  # new job: 0
-        stuck = carried + 1 if (epoch, step) == (start_epoch, start_step) else 0  # SLURM: runs in a row, no progress
-        began = time.perf_counter()
-        if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, stateful, epoch=epoch, step=step, totals=done, layout=layout, stuck=stuck,
-                            world_size=world_size, batch_size=args.batch_size, accumulate=args.accumulate)
-        dist.barrier(group=rank0_work)
-        took = f"saved in {time.perf_counter() - began:.1f} s"
-        if not args.checkpoint:
-            code, saved = 0, "no --checkpoint, so nothing is saved and the job is not requeued (it would start over)"
-        elif stuck < 3:  # SLURM: STOPPED has the batch script requeue the job
-            code, saved = STOPPED, f"{took}, exit code {STOPPED} to be requeued"
-        else:  # SLURM: a time limit that the start-up and the signal's lead use up would requeue the job for ever
-            code, saved = 1, (f"{took}, exit code 1, not requeued: {stuck} runs in a row made no step or evaluation (a "
-                              "time limit below start-up + the signal's lead, or stops (preemptions) at each start)")
-        if is_main and signum:
-            print(f"stopped at epoch {epoch + 1} step {step} on {signal.Signals(signum).name}: {saved}", flush=True)
-        elif is_main and args.checkpoint:
-            print(f"saved at epoch {epoch + 1} step {step} (--save-every {args.save_every:g})", flush=True)
-        return code
-
-    for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # DDP: without it every epoch repeats the first epoch's order
-        torch.manual_seed(hash((args.seed, epoch, rank)))  # DDP: workers' seeds differ from rank to rank
-        start, samples, step = time.perf_counter(), 0, start_step
-        while step is not None:  # SLURM: the rest of the epoch, in parts that end at a save (--save-every) or a stop
-            sampler.start = step * args.batch_size * args.accumulate  # SLURM: this rank's samples of the steps trained
-            (loss_sum, count, trained), step, signum = train_one_epoch(  # SLURM: up to where all ranks stopped, or None
-                args, ddp_model, train_loader, optimizer, scheduler, device, epoch, step)
-            done, samples = [done[0] + loss_sum, done[1] + count], samples + trained
-            code = save_position(epoch, step, signum) if step is not None else 0
-            if signum:
-                return code
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    steps_per_epoch = math.ceil(len(train_loader) / args.accumulate)
+    for epoch in range(progress["epoch"], args.epochs):
+        # The data-loader workers' seeds (persistent workers': once per run). DDP: and by rank.
+        torch.manual_seed(hash((args.seed, epoch, rank)))
+        start, samples = time.perf_counter(), 0
+        # SLURM: the epoch in parts, each ending at its end, a save (--save-every) or a stop.
+        while progress["step"] < steps_per_epoch:
+            skip = progress["step"] * args.batch_size * args.accumulate  # this rank's, trained
+            train_loader.sampler.set_epoch(epoch, skip)  # DDP: else every epoch repeats the order
+            trained, stop_signal = train_one_epoch(args, ddp_model, train_loader, optimizer,
+                                                   peak_lrs, device, progress)
+            samples += trained
+            if progress["step"] < steps_per_epoch:  # SLURM: all ranks stopped at this step
+                exit_code = save_inside_epoch(args, checkpointed, progress, stop_signal,
+                                              gloo_group)
+                if stop_signal:
+                    return exit_code
         train_time = time.perf_counter() - start
-        test_loss, metric, count = evaluate(model, test_loader, device)
-        if signum := stop_requested(device)[0]:  # SLURM: a stop signal in evaluate(): the next run evaluates again
-            return save_position(epoch, per_epoch, signum)
-        loss, start_step, done = done[0] / done[1], 0, [0, 0]  # SLURM: later epochs start at step 0
+        test_loss, metric, count = evaluate(model, test_loader, device,
+                                            hash((args.seed, epoch, rank)))
+        stop_signal = max_over_ranks([stop_signal_received()], device)[0]
+        if stop_signal:  # SLURM: during evaluate(): the next run evaluates again
+            return save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)
+        loss = progress["loss_sum"] / progress["count"]
+        progress.update(epoch=epoch + 1, step=0, loss_sum=0.0, count=0.0)  # SLURM: the next's
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, stateful, epoch=epoch + 1)
-        dist.barrier(group=rank0_work)  # DDP: the others wait until the checkpoint is complete
-        summary = (f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | test loss {test_loss / count:.4f} | "
-                   f"test {METRIC} {metric / count:.4f} of {count:.0f} | {samples / train_time:.0f} samples/s | "
-                   f"{time.perf_counter() - start:.1f} s")
+            save_checkpoint(args.checkpoint, checkpointed, {"epoch": epoch + 1})
+        dist.barrier(group=gloo_group)  # DDP: the others wait until the checkpoint is complete
         if is_main:
-            print(summary, flush=True)
+            print(f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | "
+                  f"test loss {test_loss / count:.4f} | test {METRIC} {metric / count:.4f} "
+                  f"of {count:.0f} | {samples / train_time:.0f} samples/s | "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
+    return 0
 
 
 def main():
     catch_stop_signals()  # SLURM: first thing, before any other thread or process starts
     args = parse_args()
-    # SLURM: srun's tasks, or torchrun's (05's page): its agent alone sets TORCHELASTIC_RUN_ID (srun's: LOCAL_RANK too)
-    slurm = "TORCHELASTIC_RUN_ID" not in os.environ
-    if slurm and ("SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ):
-        sys.exit("error: start this script with srun in a job of submit.sh (sbatch 05_ddp_slurm/submit.sh), or try it "
-                 "without Slurm: CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node 2 05_ddp_slurm/train.py")
-    names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS") if slurm else ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    # SLURM: srun's tasks, or torchrun's (05's page): its agent alone sets TORCHELASTIC_RUN_ID.
+    names = ["RANK", "LOCAL_RANK", "WORLD_SIZE"]
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        names = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"]
+        if "SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ:
+            sys.exit("error: start this script with srun in a job of submit.sh (sbatch "
+                     "05_ddp_slurm/submit.sh), or try it without Slurm: CUDA_VISIBLE_DEVICES= "
+                     "torchrun --standalone --nproc-per-node 2 05_ddp_slurm/train.py")
+        # SLURM: the site checks, at the end of this file: before setup(), no rank waits yet.
+        check_launch(args.checkpoint, int(os.environ["SLURM_PROCID"]))
     rank, local_rank, world_size = (int(os.environ[name]) for name in names)
-    if slurm:  # SLURM: before setup(); its counts are Slurm's, which describe no torchrun (inside a job too)
-        check_launch(args.checkpoint, rank, local_rank)
     device = setup(rank, local_rank, world_size, args.collective_timeout)
-    code = train(args, rank, world_size, device)
-    dist.destroy_process_group()  # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all
-    sys.exit(code)  # SLURM: STOPPED after a stop signal, for submit.sh to requeue the job
+    exit_code = train(args, rank, world_size, device)
+    # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all.
+    dist.destroy_process_group()
+    sys.exit(exit_code)  # SLURM: REQUEUE_EXIT_CODE after a stop, for submit.sh to requeue the job
+
+
+# Site checks: what a real cluster can get wrong, set apart from the lesson above.
+
+
+def check_same_checkpoint(path, progress, group):
+    """DDP: every rank loads the checkpoint itself (a node's ranks share the file's pages). If one
+    found no file or another, as where a node's view of shared storage lags, all end with one
+    line rather than train from different states."""
+    found = (progress["epoch"], progress.get("step", 0)) if progress else "no file"
+    every_found = [None] * dist.get_world_size()
+    dist.all_gather_object(every_found, found, group=group)  # DDP: every rank's (epoch, step)
+    if found != every_found[0]:  # the rank that differs says what it found
+        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds (epoch, step) "
+                 f"{found} at {path}, rank 0 {every_found[0]}: start again once every node sees "
+                 "rank 0's file")
+    if any(other != found for other in every_found):
+        sys.exit(1)
+
+
+
+def tasks_on_node(node_id, default):
+    """SLURM: this job step's tasks on node node_id: SLURM_STEP_TASKS_PER_NODE as "4(x2),2"
+    says 4 on nodes 0 and 1, 2 on node 2."""
+    counts = []
+    for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", str(default)).split(","):
+        count, _, repeats = part.rstrip(")").partition("(x")
+        counts += [int(count)] * int(repeats or 1)
+    return counts[node_id]
+
+
+def gpus_on_node():
+    """SLURM: the GPUs of this node that the job has: SLURM_GPUS_ON_NODE where the job asked Slurm
+    for GPUs (any SLURM_GPUS* variable), else what CUDA or the GPU device files show (a site
+    without gres; GPU_DEVICES= for none)."""
+    if any(name.startswith("SLURM_GPUS") for name in os.environ):
+        return int(os.environ.get("SLURM_GPUS_ON_NODE", 0))
+    device_file_prefix = os.environ.get("GPU_DEVICES", "/dev/nvidia")  # a dead driver's too
+    if not device_file_prefix:
+        return 0
+    device_files = sum(os.path.exists(f"{device_file_prefix}{index}") for index in range(64))
+    return max(device_files, torch.cuda.device_count())
+
+
+def check_launch(checkpoint, rank):
+    """SLURM: a wrong launch ends here with one line, before any rank waits for another (05's
+    page lists the checks)."""
+    task = f"error: task {rank} on {socket.gethostname()}"
+    gpus, visible = gpus_on_node(), torch.cuda.device_count()
+    tasks = tasks_on_node(int(os.environ.get("SLURM_NODEID", 0)), gpus)
+    one_task_per_gpu = torch.cuda.is_available() and tasks == gpus and visible in (1, gpus)
+    if (gpus or visible) and not one_task_per_gpu:
+        sys.exit(f"{task}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} "
+                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}): run one task "
+                 "per GPU (--ntasks-per-node as --gpus-per-node, or --gpus-per-task=1) on nodes "
+                 "whose GPUs work (nvidia-smi)")
+    folder = os.path.dirname(os.path.abspath(checkpoint or ""))
+    if checkpoint and "SLURM_JOB_ID" in os.environ and not os.path.isdir(folder):
+        sys.exit(f"{task}: no checkpoint folder {folder}: make it before the job (and mount it "
+                 "there in a container)")
+    requeued = int(os.environ.get("SLURM_RESTART_COUNT", 0))
+    if rank == 0 and requeued and not os.path.exists(checkpoint or ""):
+        print(f"requeued, but no checkpoint at {checkpoint}: starting over", flush=True)
+
+
+def check_gpus_not_shared(device, group, is_main):
+    """SLURM: tasks that share a GPU (--gpu-bind=map_gpu:0) would fail in NCCL, on every rank.
+    Each rank's (host, GPU UUID), as under ConstrainDevices every GPU index is 0."""
+    every_gpu = [None] * dist.get_world_size()
+    this_gpu = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    dist.all_gather_object(every_gpu, this_gpu, group=group)  # over Gloo, before NCCL's first
+    shared = [(rank, *gpu) for rank, gpu in enumerate(every_gpu) if every_gpu.count(gpu) > 1]
+    if shared:
+        exit_with_error(f"tasks share a GPU (task, host, UUID): {shared}: give each its own GPU",
+                        is_main)
+
+
+def check_sample_order(path, resumed, progress):
+    """SLURM: a checkpoint saved inside an epoch resumes only where its steps take the same
+    samples: the same global batch, seed and data size."""
+    if resumed["sample_order"] == progress["sample_order"]:
+        return
+    batch, seed, samples = resumed["sample_order"]
+    exit_with_error(
+        f"{path} stopped inside epoch {resumed['epoch'] + 1} with {resumed['world_size']} "
+        f"processes x {resumed['batch_size']} samples x --accumulate {resumed['accumulate']} "
+        f"per step, --seed {seed} and {samples} training samples; resume it with the same "
+        f"global batch, seed and data (now {progress['world_size']} x {progress['batch_size']} "
+        f"x {progress['accumulate']}, {progress['sample_order'][1]}, "
+        f"{progress['sample_order'][2]}) or from an end-of-epoch checkpoint",
+        dist.get_rank() == 0)
 
 
 if __name__ == "__main__":
