@@ -5,9 +5,9 @@
 # Several machines: run the same command on every one of them, with the first one's address
 # (rendezvous through torchrun's c10d backend; the checkpoint path must be on shared storage):
 #   NNODES=2 RDZV_ENDPOINT=node1:29400 bash 04_ddp_torchrun/run.sh --checkpoint /shared/ckpt.pt
-# Under Slurm, sbatch 04_ddp_torchrun/submit.sh does this: srun starts one torchrun on every node of the job.
-# Environment: NPROC_PER_NODE (default: GPUs, or 2), MAX_RESTARTS (default 0: fail at once),
-# RDZV_ID (a name the nodes of one run share), PYTHON (default: python on PATH).
+# Under Slurm, sbatch 04_ddp_torchrun/submit.sh does this: srun starts one torchrun on every node
+# of the job. Environment: NPROC_PER_NODE (default: GPUs, or 2), MAX_RESTARTS (default 0: fail at
+# once), RDZV_ID (a name the nodes of one run share), PYTHON (default: python on PATH).
 set -euo pipefail
 python=${PYTHON:-python}
 nproc=${NPROC_PER_NODE:-$("$python" -c 'import torch; print(torch.cuda.device_count() or 2)')}
@@ -18,7 +18,7 @@ else
               --rdzv-endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the first node}")
 fi
 # After a restart, workers that share torchrun's own rendezvous store can read the previous round's
-# addresses and fail or hang (pytorch/pytorch#135712; README.md says how often our restart test did).
+# addresses and fail or hang (pytorch/pytorch#135712; the README says how often our test did).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 # python -m torch.distributed.run is torchrun, run by the chosen interpreter.
 exec "$python" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node="$nproc" \

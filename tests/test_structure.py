@@ -11,9 +11,15 @@ from conftest import REPO, STEPS
 
 # The order every train.py follows (a step may lack some), and, for each top-level definition, the runs
 # of consecutive steps that must hold it byte for byte. A new step-specific change belongs in this table.
-ORDER = ["parse_args", "load_datasets", "Net", "METRIC", "loss_and_metric", "make_optimizer", "get_lr", "ResumableSampler", "STOP_SIGNALS", "STOP",
-         "STOP_CHECK_SECONDS", "STOPPED", "catch_stop_signals", "signalled", "stop_requested", "train_one_epoch",
-         "evaluate", "save_checkpoint", "load_checkpoint", "check_launch", "setup", "train", "run", "main"]
+ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "SET_BY_06", "check_submission_flags",
+         "load_datasets", "Net", "METRIC", "loss_and_metric", "make_optimizer", "get_lr",
+         "STOP_SIGNALS", "REQUEUE_EXIT_CODE", "STOP_CHECK_SECONDS", "received_stop_signals", "catch_stop_signals",
+         "stop_signal_received", "max_over_ranks", "ResumableSampler", "start_progress", "save_inside_epoch",
+         "make_loaders", "train_step", "train_one_epoch", "evaluate", "save_checkpoint", "load_checkpoint",
+         "exit_with_error", "setup", "train", "run", "make_executor", "main",
+         # The site checks, set apart at the end of the file.
+         "check_same_checkpoint", "tasks_on_node", "gpus_on_node", "check_launch", "check_gpus_not_shared",
+         "check_sample_order"]
 SHARED = {
     "METRIC": ["01 02 03 04 05 06"],
     "loss_and_metric": ["01 02 03 04 05 06"],
@@ -22,21 +28,31 @@ SHARED = {
     "load_datasets": ["01 02 03 04 05 06"],
     "Net": ["01 02 03 04 05 06"],
     "parse_args": ["01 02"],
+    "train_step": ["01 02", "03 04 05 06"],
     "train_one_epoch": ["01 02", "03 04", "05 06"],
     "evaluate": ["01 02", "03 04", "05 06"],
     "save_checkpoint": ["01 02 03 04 05 06"],
-    "load_checkpoint": ["01 02", "03 04 05 06"],
-    "check_launch": ["05 06"],
+    "load_checkpoint": ["01 02 03 04 05 06"],
+    "exit_with_error": ["03 04 05 06"],
+    "check_same_checkpoint": ["03 04 05 06"],
     "setup": ["03 04", "05 06"],
     "train": ["03 04", "05 06"],
-    "ResumableSampler": ["05 06"],
+    "make_loaders": ["01 02", "03 04", "05 06"],
     "STOP_SIGNALS": ["05 06"],
-    "STOP": ["05 06"],
+    "REQUEUE_EXIT_CODE": ["05 06"],
     "STOP_CHECK_SECONDS": ["05 06"],
-    "STOPPED": ["05 06"],
-    "signalled": ["05 06"],
-    "stop_requested": ["05 06"],
+    "received_stop_signals": ["05 06"],
     "catch_stop_signals": ["05 06"],
+    "stop_signal_received": ["05 06"],
+    "max_over_ranks": ["05 06"],
+    "ResumableSampler": ["05 06"],
+    "start_progress": ["05 06"],
+    "save_inside_epoch": ["05 06"],
+    "tasks_on_node": ["05 06"],
+    "gpus_on_node": ["05 06"],
+    "check_launch": ["05 06"],
+    "check_gpus_not_shared": ["05 06"],
+    "check_sample_order": ["05 06"],
 }
 ALLOWED_IMPORTS = {"argparse", "contextlib", "datetime", "importlib", "math", "multiprocessing", "os", "shlex",
                    "signal", "socket", "sys", "time", "torch", "torchvision", "submitit"}
@@ -68,6 +84,19 @@ def test_definitions_keep_the_common_order(step):
     names = list(definitions(step))
     assert all(name in ORDER for name in names), names
     assert names == sorted(names, key=ORDER.index)
+
+
+WIDTH = 99  # PEP 8's limit for code a team agrees on: whole in a split view, and in `diff -y -W 206`
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_every_line_fits_a_split_view(step):
+    """Every line of the step's train.py and launch scripts is at most 99 columns, so that two files side by
+    side (the README's `diff -y -W 206`, an editor's split view) show every line whole."""
+    for path in sorted((REPO / step).glob("*.py")) + sorted((REPO / step).glob("*.sh")):
+        wide = [f"{path.name}:{number}" for number, line in enumerate(path.read_text().splitlines(), 1)
+                if len(line) > WIDTH]
+        assert not wide, f"lines over {WIDTH} columns in {step}: {wide}"
 
 
 @pytest.mark.parametrize("step", STEPS)
