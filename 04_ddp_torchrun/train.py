@@ -283,7 +283,7 @@ def exit_with_error(message, is_main):
 
 def setup(rank, local_rank, world_size, timeout, store=None):
     """DDP: picks this process's device and joins the process group (at store, or at
-    MASTER_ADDR:MASTER_PORT)."""
+    MASTER_ADDR:MASTER_PORT); returns the device and a Gloo group for waiting on rank 0."""
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # DDP: one GPU per process
         torch.cuda.set_device(device)
@@ -297,15 +297,14 @@ def setup(rank, local_rank, world_size, timeout, store=None):
           f"pid {os.getpid()} device {device} backend {backend} "
           f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}\n",
           end="", flush=True)  # one write, so that the ranks' lines do not interleave
-    return device
+    # DDP: a second group, in which the others wait while rank 0 alone downloads or saves: at least
+    # an hour. Gloo, so that it takes no GPU memory.
+    gloo_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, timeout)))
+    return device, gloo_group
 
 
-def train(args, rank, world_size, device):
+def train(args, rank, world_size, device, gloo_group):
     is_main = rank == 0  # DDP: only global rank 0 prints and saves
-    # DDP: a group in which the others wait while rank 0 alone downloads or saves: at least an
-    # hour. Gloo, so that it takes no GPU memory.
-    gloo_group = dist.new_group(backend="gloo",
-                                timeout=timedelta(seconds=max(3600, args.collective_timeout)))
     train_loader, test_loader = make_loaders(args, rank, world_size, device, gloo_group)
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
@@ -354,8 +353,8 @@ def main():
                  "(see its header)")
     names = ["RANK", "LOCAL_RANK", "WORLD_SIZE"]
     rank, local_rank, world_size = (int(os.environ[name]) for name in names)
-    device = setup(rank, local_rank, world_size, args.collective_timeout)
-    train(args, rank, world_size, device)
+    device, gloo_group = setup(rank, local_rank, world_size, args.collective_timeout)
+    train(args, rank, world_size, device, gloo_group)
     # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all.
     dist.destroy_process_group()
 

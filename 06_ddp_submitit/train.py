@@ -301,6 +301,9 @@ def start_progress(args, resumed, world_size, train_samples):
     if not int(os.environ.get("SLURM_RESTART_COUNT", 0)):
         progress["stalled_runs"] = 0
     progress["resumed_at"] = [progress["epoch"], progress["step"]]
+    if resumed and dist.get_rank() == 0:
+        print(f"resumed from {args.checkpoint} after epoch {progress['epoch']} "
+              f"step {progress['step']}", flush=True)
     return progress
 
 
@@ -474,7 +477,7 @@ def exit_with_error(message, is_main):
 
 def setup(rank, local_rank, world_size, timeout, store=None):
     """DDP: picks this process's device and joins the process group (at store, or at
-    MASTER_ADDR:MASTER_PORT)."""
+    MASTER_ADDR:MASTER_PORT); returns the device and a Gloo group for waiting on rank 0."""
     if torch.cuda.is_available():
         # SLURM: its local rank's GPU of the node's, or where the site binds one GPU to each
         # task, its own, as cuda:0.
@@ -491,18 +494,16 @@ def setup(rank, local_rank, world_size, timeout, store=None):
           f"pid {os.getpid()} device {device} backend {backend} "
           f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}\n",
           end="", flush=True)  # one write, so that the ranks' lines do not interleave
-    return device
-
-
-def train(args, rank, world_size, device):
-    """Returns the exit code: 0, or SLURM: a stop's (save_inside_epoch)."""
-    is_main = rank == 0  # DDP: only global rank 0 prints and saves
-    # DDP: a group in which the others wait while rank 0 alone downloads or saves: at least an
-    # hour. Gloo, so that it takes no GPU memory.
-    gloo_group = dist.new_group(backend="gloo",
-                                timeout=timedelta(seconds=max(3600, args.collective_timeout)))
+    # DDP: a second group, in which the others wait while rank 0 alone downloads or saves: at least
+    # an hour. Gloo, so that it takes no GPU memory.
+    gloo_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, timeout)))
     if device.type == "cuda":  # SLURM: a site check (the end of this file)
-        check_gpus_not_shared(device, gloo_group, is_main)
+        check_gpus_not_shared(device, gloo_group, rank == 0)
+    return device, gloo_group
+
+
+def train(args, rank, world_size, device, gloo_group):
+    is_main = rank == 0  # DDP: only global rank 0 prints and saves
     train_loader, test_loader = make_loaders(args, rank, world_size, device, gloo_group)
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
@@ -513,9 +514,6 @@ def train(args, rank, world_size, device):
     resumed = load_checkpoint(args.checkpoint, checkpointed) if args.checkpoint else None
     check_same_checkpoint(args.checkpoint, resumed, gloo_group)  # DDP: a site check (the end)
     progress = start_progress(args, resumed, world_size, len(train_loader.dataset))  # SLURM
-    if resumed and is_main:
-        print(f"resumed from {args.checkpoint} after epoch {progress['epoch']} "
-              f"step {progress['step']}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
@@ -524,18 +522,16 @@ def train(args, rank, world_size, device):
         # The data-loader workers' seeds (persistent workers': once per run). DDP: and by rank.
         torch.manual_seed(hash((args.seed, epoch, rank)))
         start, samples = time.perf_counter(), 0
-        # SLURM: the epoch in parts, each ending at its end, a save (--save-every) or a stop.
-        while progress["step"] < steps_per_epoch:
-            skip = progress["step"] * args.batch_size * args.accumulate  # this rank's, trained
-            train_loader.sampler.set_epoch(epoch, skip)  # DDP: else every epoch repeats the order
+        while progress["step"] < steps_per_epoch:  # SLURM: in parts, ending at a save or a stop
+            skip = progress["step"] * args.batch_size * args.accumulate  # SLURM: trained already
+            train_loader.sampler.set_epoch(epoch, skip)  # DDP: else each epoch repeats the order
             trained, stop_signal = train_one_epoch(args, ddp_model, train_loader, optimizer,
                                                    peak_lrs, device, progress)
             samples += trained
-            if progress["step"] < steps_per_epoch:  # SLURM: all ranks stopped at this step
-                exit_code = save_inside_epoch(args, checkpointed, progress, stop_signal,
-                                              gloo_group)
-                if stop_signal:
-                    return exit_code
+            if stop_signal:  # SLURM: all ranks stopped at this step: save it, and end
+                return save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)
+            if progress["step"] < steps_per_epoch:  # SLURM: --save-every: save, and go on
+                save_inside_epoch(args, checkpointed, progress, 0, gloo_group)
         train_time = time.perf_counter() - start
         test_loss, metric, count = evaluate(model, test_loader, device,
                                             hash((args.seed, epoch, rank)))
@@ -570,8 +566,8 @@ def run(args):
         default = f"checkpoints/ddp-submitit-{os.environ['SLURM_JOB_ID']}.pt"
         args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint or default)
     check_launch(args.checkpoint, rank)  # SLURM: before setup() (the end of this file)
-    device = setup(rank, local_rank, world_size, args.collective_timeout)
-    exit_code = train(args, rank, world_size, device)
+    device, gloo_group = setup(rank, local_rank, world_size, args.collective_timeout)
+    exit_code = train(args, rank, world_size, device, gloo_group)  # SLURM: a stop's, or 0
     # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all.
     dist.destroy_process_group()
     if exit_code:
