@@ -185,7 +185,9 @@ def printed_formats(step):
     messages = []
     for node in ast.walk(ast.parse((REPO / step / "train.py").read_text())):
         if isinstance(node, ast.JoinedStr):
-            messages.append([re.escape(v.value) if isinstance(v, ast.Constant) else None for v in node.values])
+            # A message written in one piece ends with its newline, which a line of output does not hold.
+            messages.append([re.escape(v.value.rstrip("\n")) if isinstance(v, ast.Constant) else None
+                             for v in node.values])
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             messages.append([re.escape(node.value)])
     for script in (REPO / step).glob("*.sh"):
