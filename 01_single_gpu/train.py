@@ -267,7 +267,9 @@ def train(args, device):
         loss, samples = train_one_epoch(args, model, train_loader, optimizer, peak_lrs, device,
                                         epoch)
         train_time = time.perf_counter() - start
-        test_loss, metric, count = evaluate(model, test_loader, device, hash((args.seed, epoch)))
+        # -1: the seed of no training step, so that evaluation draws numbers of its own.
+        test_loss, metric, count = evaluate(model, test_loader, device,
+                                            hash((args.seed, epoch, -1)))
         if args.checkpoint:
             save_checkpoint(args.checkpoint, checkpointed, {"epoch": epoch + 1})
         print(f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | "

@@ -333,8 +333,9 @@ def train(args, rank, world_size, device, gloo_group):
         loss, samples = train_one_epoch(args, ddp_model, train_loader, optimizer, peak_lrs, device,
                                         epoch)
         train_time = time.perf_counter() - start
+        # -1: the seed of no training step, so that evaluation draws numbers of its own.
         test_loss, metric, count = evaluate(model, test_loader, device,
-                                            hash((args.seed, epoch, rank)))
+                                            hash((args.seed, epoch, rank, -1)))
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, checkpointed, {"epoch": epoch + 1})
         dist.barrier(group=gloo_group)  # DDP: the others wait until the checkpoint is complete

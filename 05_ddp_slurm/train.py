@@ -467,8 +467,9 @@ def train(args, rank, world_size, device, gloo_group):
             if progress["step"] < steps_per_epoch:  # SLURM: --save-every: save, and go on
                 save_inside_epoch(args, checkpointed, progress, 0, gloo_group)
         train_time = time.perf_counter() - start
+        # -1: the seed of no training step, so that evaluation draws numbers of its own.
         test_loss, metric, count = evaluate(model, test_loader, device,
-                                            hash((args.seed, epoch, rank)))
+                                            hash((args.seed, epoch, rank, -1)))
         stop_signal = max_over_ranks([stop_signal_received()], device)[0]
         if stop_signal:  # SLURM: during evaluate(): the next run evaluates again
             return save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)

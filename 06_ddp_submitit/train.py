@@ -77,7 +77,8 @@ def parse_args():
                              "without a warning")
     add_submission_flags(parser)  # submitit: the job's shape and the site's options
     args = parser.parse_args()
-    check_submission_flags(parser, args)  # submitit: and the default of --workers
+    if args.workers is None:  # submitit: half of the cores; the other half for the threads
+        args.workers = args.cpus_per_task // 2
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1, workers=0,
                     log_interval=0, clip_grad=0, save_every=0)
     for flag, minimum in minimums.items():
@@ -89,6 +90,7 @@ def parse_args():
         parser.error("--warmup must be at least 0 and below 1")
     if not args.collective_timeout > 0:
         parser.error("--collective-timeout must be above 0 seconds")
+    check_submission_flags(parser, args)  # submitit
     return args
 
 
@@ -151,8 +153,6 @@ def check_submission_flags(parser, args):
     if args.gpus_per_node and args.tasks_per_node != args.gpus_per_node:  # GPUs idle or shared
         parser.error(f"--tasks-per-node {args.tasks_per_node} for --gpus-per-node "
                      f"{args.gpus_per_node}: one per GPU")
-    if args.workers is None:  # submitit: the other half of the cores for the threads
-        args.workers = args.cpus_per_task // 2
 
 
 # Your task replaces these, down to get_lr: the data, the model, the loss and metric, the optimizer
@@ -533,8 +533,9 @@ def train(args, rank, world_size, device, gloo_group):
             if progress["step"] < steps_per_epoch:  # SLURM: --save-every: save, and go on
                 save_inside_epoch(args, checkpointed, progress, 0, gloo_group)
         train_time = time.perf_counter() - start
+        # -1: the seed of no training step, so that evaluation draws numbers of its own.
         test_loss, metric, count = evaluate(model, test_loader, device,
-                                            hash((args.seed, epoch, rank)))
+                                            hash((args.seed, epoch, rank, -1)))
         stop_signal = max_over_ranks([stop_signal_received()], device)[0]
         if stop_signal:  # SLURM: during evaluate(): the next run evaluates again
             return save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)
