@@ -87,11 +87,12 @@ WIDE_NET = '''class Net(nn.Module):
         x = F.avg_pool2d(F.silu(self.conv2(x)), 2)
         return self.fc2(F.silu(self.fc1(x.flatten(1))))
 '''
-# 01's per-step reseed: the default generator's seed and, on GPUs, every GPU's (train_one_epoch).
-RESEED = re.compile(r'^( +)torch\.default_generator\.manual_seed\(seed := .*\n'
+# 01's per-step reseed: the step's seed, the default generator's seed and, on GPUs, every GPU's (train_one_epoch).
+RESEED = re.compile(r'^( +)seed = hash\(.*\n'
+                    r'\1torch\.default_generator\.manual_seed\(seed\).*\n'
                     r'\1if device\.type == "cuda":.*\n'
                     r'\1    torch\.cuda\.manual_seed_all\(seed\).*\n', re.M)
-BUCKET_VIEW = ", gradient_as_bucket_view=True)"  # 04's DDP(...) call ends with it
+BUCKET_VIEW = ",\n                    gradient_as_bucket_view=True)"  # 04's DDP(...) call ends with it (its own line)
 
 
 def parse_args():
@@ -151,14 +152,13 @@ def prebatched(args):
     torch.manual_seed(args.seed)
     model = step01.Net().to(device)
     optimizer = step01.make_optimizer(model, args)
-    steps = args.epochs * -(-len(labels) // args.batch_size)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step01.get_lr(step, steps, args))
+    peak_lrs = [group["lr"] for group in optimizer.param_groups]  # train_one_epoch sets each step's rate from them
     losses = []
     for epoch in range(args.epochs):
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch)).to(device)
         batches = [(images[i], labels[i]) for i in order.split(args.batch_size)]
         start = time.perf_counter()
-        loss, samples = step01.train_one_epoch(args, model, batches, optimizer, scheduler, device, epoch)
+        loss, samples = step01.train_one_epoch(args, model, batches, optimizer, peak_lrs, device, epoch)
         losses.append(loss)  # .item() in the loop: the time includes the device's work
         print(f"epoch {epoch + 1}/{args.epochs} | prebatched | {samples / (time.perf_counter() - start):.0f} "
               "samples/s |", flush=True)

@@ -326,7 +326,7 @@ def train_in_process(step, argv, capsys):
     """step's own parse_args(argv) and train() in this process, on the CPU, for what no launcher takes part in (a
     checkpoint refused or resumed under a layout): from 03 on as rank 0 of a world of one, over a store in memory.
     It costs no process start (torch's import is most of a short run's time). Returns (the exit code, or the
-    message that sys.exit was given, and what it printed)."""
+    message that sys.exit was given, and what it printed: stdout, then stderr, where exit_with_error prints)."""
     module = load_step_module(step)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", [f"{step}/train.py", *argv])
@@ -337,13 +337,14 @@ def train_in_process(step, argv, capsys):
             code = module.train(args, torch.device("cpu"))
         else:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            try:
-                code = module.train(args, 0, 1, torch.device("cpu"))
+            try:  # the Gloo group for waiting on rank 0, as setup() makes it
+                code = module.train(args, 0, 1, torch.device("cpu"), dist.new_group(backend="gloo"))
             finally:
                 dist.destroy_process_group()
     except SystemExit as exited:
         code = exited.code
-    return code or 0, capsys.readouterr().out
+    printed = capsys.readouterr()
+    return code or 0, printed.out + printed.err
 
 
 # The Slurm tests that take longest (in this order), started before the others so that none of them starts last.

@@ -26,7 +26,8 @@ def test_evaluation_is_exact_for_any_world_size(tmp_path):
     _, test_set = single.load_datasets(Namespace(dataset="synthetic"))
     model = single.Net()
     model.load_state_dict(torch.load(checkpoint, map_location="cpu")["model"])
-    loss_sum, correct, total = single.evaluate(model, DataLoader(test_set, batch_size=500), torch.device("cpu"))
+    loss_sum, correct, total = single.evaluate(model, DataLoader(test_set, batch_size=500), torch.device("cpu"),
+                                                0)
     assert (epoch["correct"], epoch["total"]) == (correct, total) == (correct, 800)
     # The held-out mean loss, as printed (4 decimals; 3 ranks add their float32 batch sums in another order).
     assert abs(epoch["test_loss"] - loss_sum / total) <= 0.5e-4 + 1e-6, (epoch, loss_sum / total)

@@ -27,11 +27,14 @@ def test_each_process_finds_its_gpu(monkeypatch, capsys, step, visible, local_ra
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.update(set_device=str(device)))
     monkeypatch.setattr(module.dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    monkeypatch.setattr(module.dist, "new_group", lambda backend, timeout: backend)  # the Gloo group setup() makes
+    # 05 and 06 check there that no two tasks share a GPU (test_tasks_that_share_a_gpu_end_with_one_line)
+    monkeypatch.setattr(module, "check_gpus_not_shared", lambda device, group, is_main: None, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "n1")
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(visible))))
-    device = module.setup(5, local_rank, 8, 600)
-    assert str(device) == calls["set_device"] == expected
+    device, gloo_group = module.setup(5, local_rank, 8, 600)
+    assert str(device) == calls["set_device"] == expected and gloo_group == "gloo"
     assert (calls["backend"], calls["rank"], calls["world_size"]) == ("nccl", 5, 8)
     assert calls["timeout"].total_seconds() == 600  # --collective-timeout reaches the process group
     printed = capsys.readouterr().out
@@ -81,10 +84,10 @@ def test_a_wrong_gpu_launch_is_refused_in_one_line(monkeypatch, tmp_path, step, 
         monkeypatch.setenv(name, str(value)) if value is not None else monkeypatch.delenv(name, raising=False)
     gpus = visible if gpus is None else gpus
     if not refused:
-        module.check_launch(str(tmp_path / "ckpt.pt"), 5, 1)
+        module.check_launch(str(tmp_path / "ckpt.pt"), 5)
         return
     with pytest.raises(SystemExit) as stopped:
-        module.check_launch(str(tmp_path / "ckpt.pt"), 5, 1)
+        module.check_launch(str(tmp_path / "ckpt.pt"), 5)
     tasks = int(tasks_per_node.split(",")[-1].split("(")[0])
     assert str(stopped.value) == (
         f"error: task 5 on {socket.gethostname()}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} "
@@ -92,15 +95,7 @@ def test_a_wrong_gpu_launch_is_refused_in_one_line(monkeypatch, tmp_path, step, 
         "--gpus-per-node, or --gpus-per-task=1) on nodes whose GPUs work (nvidia-smi)")
 
 
-class Trains(Exception):
-    """Past the shared-GPU check: the run goes on to its data."""
-
-
-def on_to_the_data(*args, **kwargs):
-    raise Trains
-
-
-# The GPU (host, UUID) of each task of a job of 4 tasks on 2 nodes, as train() gathers them after init_process_group.
+# The GPU (host, UUID) of each task of a job of 4 tasks on 2 nodes, as setup() gathers them after init_process_group.
 @pytest.mark.parametrize("gpus, shared", [
     ([("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-c"), ("n2", "GPU-d")], None),  # one GPU each
     # --gpu-bind=map_gpu:0 on n2 (or under ConstrainDevices, where each task's GPU is its cuda:0 and indices tell
@@ -109,13 +104,18 @@ def on_to_the_data(*args, **kwargs):
     ([("n1", "GPU-a"), ("n1", "GPU-a"), ("n2", "GPU-c"), ("n2", "GPU-d")], "[(0, 'n1', 'GPU-a'), (1, 'n1', 'GPU-a')]"),
 ])
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
-def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, step, gpus, shared):
+def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, capsys, step, gpus, shared):
     """Every task ends (none waits in a collective for the others), and rank 0 names those that share a GPU in one
-    line; the GPUs' identities travel over train()'s Gloo group, as NCCL itself fails on a shared GPU."""
+    line; the GPUs' identities travel over setup()'s Gloo group, as NCCL itself fails on a shared GPU."""
     module = load_step_module(step)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # each task's own GPU, as cuda:0
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(module.dist, "init_process_group", lambda backend, **kw: None)
     monkeypatch.setattr(module.dist, "new_group", lambda backend, timeout: backend)
-    monkeypatch.setattr(module.dist, "barrier", on_to_the_data)
-    monkeypatch.setattr(module, "load_datasets", on_to_the_data)
+    monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: len(gpus))
+    monkeypatch.setenv("MASTER_ADDR", "n1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     for rank, (host, uuid) in enumerate(gpus):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, uuid=uuid: Namespace(uuid=uuid))
 
@@ -123,15 +123,16 @@ def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, step, gpus, share
             assert mine == (socket.gethostname(), uuid) and group == "gloo"
             found[:] = gpus
         monkeypatch.setattr(module.dist, "all_gather_object", all_gather_object)
-        args, device = Namespace(collective_timeout=600), torch.device("cuda", 0)
-        if shared is None:
-            with pytest.raises(Trains):
-                module.train(args, rank, len(gpus), device)
+        capsys.readouterr()
+        if shared is None:  # past the shared-GPU check: setup() returns, and the run goes on
+            assert module.setup(rank, rank % 2, len(gpus), 600) == (torch.device("cuda", 0), "gloo")
+            assert capsys.readouterr().err == ""
             continue
         with pytest.raises(SystemExit) as exited:
-            module.train(args, rank, len(gpus), device)
-        assert exited.value.code == (1 if rank else f"error: tasks share a GPU (task, host, UUID): {shared}: give each "
-                                     "its own GPU")
+            module.setup(rank, rank % 2, len(gpus), 600)
+        # Every rank exits with code 1 (exit_with_error); rank 0 alone prints the line, on stderr.
+        assert exited.value.code == 1 and capsys.readouterr().err == ("" if rank else (
+            f"error: tasks share a GPU (task, host, UUID): {shared}: give each its own GPU\n")), rank
 
 
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
@@ -143,18 +144,18 @@ def test_a_missing_checkpoint_folder_and_a_requeue_that_starts_over(monkeypatch,
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     with pytest.raises(SystemExit) as stopped:
-        module.check_launch(str(tmp_path / "missing" / "ckpt.pt"), 3, 1)
+        module.check_launch(str(tmp_path / "missing" / "ckpt.pt"), 3)
     assert str(stopped.value) == (f"error: task 3 on {socket.gethostname()}: no checkpoint folder {tmp_path}/missing: "
                                   "make it before the job (and mount it there in a container)")
-    module.check_launch(str(tmp_path / "ckpt.pt"), 1, 1)
+    module.check_launch(str(tmp_path / "ckpt.pt"), 1)
     assert capsys.readouterr().out == ""  # rank 1 says nothing
-    module.check_launch(str(tmp_path / "ckpt.pt"), 0, 0)
+    module.check_launch(str(tmp_path / "ckpt.pt"), 0)
     assert capsys.readouterr().out == f"requeued, but no checkpoint at {tmp_path}/ckpt.pt: starting over\n"
     (tmp_path / "ckpt.pt").touch()
-    module.check_launch(str(tmp_path / "ckpt.pt"), 0, 0)
+    module.check_launch(str(tmp_path / "ckpt.pt"), 0)
     assert capsys.readouterr().out == ""
     monkeypatch.delenv("SLURM_JOB_ID")  # 06 --local: save_checkpoint makes the folder, as in 01-04
-    module.check_launch(str(tmp_path / "missing" / "ckpt.pt"), 0, 0)
+    module.check_launch(str(tmp_path / "missing" / "ckpt.pt"), 0)
 
 
 def test_06_writes_the_account_no_wckey_and_the_container_into_its_job(tmp_path):
@@ -257,7 +258,7 @@ def start_task_in_a_container(monkeypatch, tmp_path, step, **env):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(module, "catch_stop_signals", lambda: None)  # not in the test's own process
-    monkeypatch.setattr(signal, "sigpending", lambda: {signal.SIGUSR2})  # what signalled() finds pending
+    monkeypatch.setattr(signal, "sigpending", lambda: {signal.SIGUSR2})  # what stop_signal_received() finds
     return submit, workdir, module
 
 

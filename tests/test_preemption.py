@@ -71,7 +71,8 @@ if trains and (os.environ.get("TEST_STEP_CLOCK") or os.environ.get("TEST_HOLD_AT
         return real_monotonic()
     time.monotonic = step_clock
     # TEST_HOLD_AT_STEP "N0,N1,..:FILE": in this rank's run k (the lines it wrote to FILE before), after its Nk-th
-    # optimizer step, "rank pid" to FILE, then wait there until train.py's signalled() finds a stop signal (05, 06)
+    # optimizer step, "rank pid" to FILE, then wait there until train.py's stop_signal_received() finds a stop
+    # signal (05, 06)
     # or FILE.go exists: a stop, a kill or a preemption the test sends then comes at that step.
     holds, marker = (os.environ.get("TEST_HOLD_AT_STEP") or "0:").split(":", 1)
     holds = [int(n) for n in holds.split(",")]
@@ -89,8 +90,8 @@ if trains and (os.environ.get("TEST_STEP_CLOCK") or os.environ.get("TEST_HOLD_AT
         frame = sys._getframe(1)
         while frame and not frame.f_code.co_filename.endswith("train.py"):
             frame = frame.f_back
-        signalled = frame.f_globals.get("signalled", lambda: False) if frame else lambda: False
-        while not signalled() and not os.path.exists(marker + ".go"):
+        received = frame.f_globals.get("stop_signal_received", lambda: 0) if frame else lambda: 0
+        while not received() and not os.path.exists(marker + ".go"):
             time.sleep(0.01)
     register_optimizer_step_post_hook(hold)
 '''
@@ -275,9 +276,9 @@ def test_05_a_rank_that_sees_another_checkpoint_stops_the_run_with_one_line(clus
     codes, output = finish_all(procs, timeout=60)
     assert all(code != 0 for code in codes), output
     errors = sorted(line for line in output.splitlines() if "error" in line.lower())
-    assert errors == [f"error: rank {rank} on {os.uname().nodename} finds {seen} at ckpt.pt, rank 0 epoch 2 step 0: "
-                      "start again once every node sees rank 0's file" for rank, seen in ((1, "no file"),
-                                                                                           (2, "epoch 1 step 0"))], output
+    assert errors == [f"error: rank {rank} on {os.uname().nodename} finds (epoch, step) {seen} at ckpt.pt, rank 0 "
+                      "(2, 0): start again once every node sees rank 0's file"
+                      for rank, seen in ((1, "no file"), (2, "(1, 0)"))], output
     assert "Traceback" not in output and "epoch 3/3" not in output, output
     assert (folders[0] / "ckpt.pt").read_bytes() == ladder("05_ddp_slurm").final.read_bytes()  # nothing saved
 
@@ -299,13 +300,17 @@ def test_05_mid_epoch_checkpoint_and_another_layout(preempted, reference, tmp_pa
         seed1 = train_in_process("05_ddp_slurm", [*flags, "--batch-size", "64", "--seed", "1"], capsys)
         others = {step: train_in_process(step, [*flags, *batch_args(step)], capsys) for step in OTHERS[:3]}
         result = torchrun.result()
-    assert batch16[0] == (f"error: {checkpoint} stopped inside epoch 2 with 2 processes x 32 samples x --accumulate 1 per "
-                          "step, --seed 0 and 3200 training samples; resume it with the same global batch, seed and data "
-                          "(now 1 x 16 x 1, 0, 3200) or from an end-of-epoch checkpoint"), batch16
-    assert "(now 1 x 64 x 1, 1, 3200)" in str(seed1[0]), seed1  # another seed: other samples
+    # 05 refuses with exit_with_error: exit code 1, rank 0's one line on stderr.
+    assert batch16[0] == 1 and errors_of(batch16[1]) == [
+        f"error: {checkpoint} stopped inside epoch 2 with 2 processes x 32 samples x --accumulate 1 per step, --seed 0 "
+        "and 3200 training samples; resume it with the same global batch, seed and data (now 1 x 16 x 1, 0, 3200) or "
+        "from an end-of-epoch checkpoint"], batch16
+    assert seed1[0] == 1 and "(now 1 x 64 x 1, 1, 3200)" in "".join(errors_of(seed1[1])), seed1  # other samples
     refusal = (f"error: {checkpoint} stopped inside epoch 2; resume it with the step that wrote it (05 or 06), or "
-               "start from a checkpoint saved at the end of an epoch")
-    assert all(code == refusal for code, _ in others.values()), others
+               "from an end-of-epoch checkpoint")
+    # 01 and 02 give sys.exit the line; 03, as every DDP step, exits 1 after rank 0 printed it (exit_with_error).
+    assert [others[step][0] for step in OTHERS[:2]] == [refusal] * 2, others
+    assert others[OTHERS[2]][0] == 1 and errors_of(others[OTHERS[2]][1]) == [refusal], others
     errors = [line for line in (result.output + result.stderr).splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and errors == [refusal], result
     assert checkpoint.read_bytes() == mid_epoch  # refused before anything was trained or saved
@@ -320,6 +325,10 @@ def test_05_mid_epoch_checkpoint_and_another_layout(preempted, reference, tmp_pa
 
 
 OTHERS = ("01_single_gpu", "02_dataparallel", "03_ddp_mpspawn")  # 04 (torchrun) is started as a user would
+
+
+def errors_of(output):
+    return [line for line in output.splitlines() if line.startswith("error:")]
 
 
 def copy(src, dst):
@@ -439,33 +448,37 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
     monkeypatch.setattr(module, "time", clock)
     monkeypatch.setattr(module, "STOP_CHECK_SECONDS", 0.5, raising=False)
     checks = []
-    stop_requested = module.stop_requested
-    monkeypatch.setattr(module, "stop_requested", lambda *a: checks.append(clock.now) or stop_requested(*a))
+    max_over_ranks = module.max_over_ranks
+    monkeypatch.setattr(module, "max_over_ranks", lambda *a: checks.append(clock.now) or max_over_ranks(*a))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1)
-        args = Namespace(seed=0, log_interval=0, accumulate=1, amp=False, clip_grad=0, save_every=0)
-        cpu = dict(scheduler=scheduler, device=torch.device("cpu"), epoch=0, start_step=0)
-        module.STOP.clear()
+        args = Namespace(seed=0, log_interval=0, accumulate=1, amp=False, clip_grad=0, save_every=0, epochs=1,
+                         warmup=0, cosine=False)
+        progress = lambda: dict(epoch=0, step=0, loss_sum=0.0, count=0.0)  # noqa: E731
+        cpu = dict(peak_lrs=[0.01], device=torch.device("cpu"))
+        module.received_stop_signals.clear()
         # 1000 steps of 2 ms: not a check every step or every 10, but one per interval once the spacing has
         # doubled up to it, and never more than an interval and a step apart.
-        (_, _, samples), stopped_at, _ = module.train_one_epoch(args, model, DataLoader(SlowData(clock, 0.0005, 4000),
-                                                                                    batch_size=4), optimizer, **cpu)
+        done = progress()
+        samples, signum = module.train_one_epoch(args, model, DataLoader(SlowData(clock, 0.0005, 4000), batch_size=4),
+                                                 optimizer, **cpu, progress=done)
         gaps = [later - earlier for earlier, later in zip(checks, checks[1:])]
-        assert stopped_at is None and samples == 4000
+        assert done["step"] == 1000 and signum == 0 and samples == 4000  # not stopped: the epoch's end
         assert len(checks) < 1000 / 50 and 0.5 - 0.002 <= max(gaps) <= 0.5 + 0.002 + 1e-9, checks
 
         # Steps of 0.2 s, and a stop signal once the clock passes 2 s: the ranks stop at the first check after it,
         # at most an interval and a step later.
         checks.clear()
         clock.now, requested = 0.0, 2.0
-        stop = lambda now: now >= requested and module.STOP.setdefault("signal", signal.SIGUSR2)  # noqa: E731
-        (_, _, samples), stopped_at, signum = module.train_one_epoch(
-            args, model, DataLoader(SlowData(clock, 0.05, 400, stop), batch_size=4), optimizer, **cpu)
-        assert stopped_at is not None and 0 < samples < 400 and signum == signal.SIGUSR2, (stopped_at, samples)
+        stop = lambda now: (now >= requested and not module.received_stop_signals  # noqa: E731
+                            and module.received_stop_signals.append(signal.SIGUSR2))
+        stopped = progress()
+        samples, signum = module.train_one_epoch(
+            args, model, DataLoader(SlowData(clock, 0.05, 400, stop), batch_size=4), optimizer, **cpu, progress=stopped)
+        assert stopped["step"] < 100 and 0 < samples < 400 and signum == signal.SIGUSR2, (stopped, samples)
         assert 0 <= checks[-1] - requested <= 0.5 + 0.2 + 1e-9, checks  # one interval + a step
     finally:
-        module.STOP.clear()
+        module.received_stop_signals.clear()
         dist.destroy_process_group()

@@ -1,8 +1,8 @@
 """A job whose runs keep stopping without progress is not requeued for ever. A time limit that the start-up and
 the signal's lead use up (a big data load, a short --time for a first try) stops every run before its first step,
 and the batch script would requeue it again and again. The runs here are 05's train() in this process, stopped by
-a stop signal that signalled() finds pending from a point the test chooses: from the start, at the first batch of
-an evaluation, or once the end-of-epoch checkpoint is written."""
+a stop signal that stop_signal_received() finds pending from a point the test chooses: from the start, at the first
+batch of an evaluation, or once the end-of-epoch checkpoint is written."""
 import re
 import signal
 
@@ -21,7 +21,7 @@ def test_the_third_run_in_a_row_without_progress_ends_the_job(monkeypatch, capsy
     count carries over only into a requeued run (SLURM_RESTART_COUNT above 0): a new job that resumes the file starts
     at 0."""
     pending, when = set(), {}
-    monkeypatch.setattr(signal, "sigpending", lambda: set(pending))  # what signalled() finds
+    monkeypatch.setattr(signal, "sigpending", lambda: set(pending))  # what stop_signal_received() finds
     save = torch.save
 
     def save_then_stop(*args, **kwargs):  # the end-of-epoch checkpoint written, then the signal
@@ -46,7 +46,7 @@ def test_the_third_run_in_a_row_without_progress_ends_the_job(monkeypatch, capsy
                                                              "--test-batch-size", "100", "--checkpoint",
                                                              str(checkpoint)], capsys)
             saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
-            runs.append((code, saved["epoch"], saved.get("step"), saved.get("stuck"), output))
+            runs.append((code, saved["epoch"], saved.get("step"), saved.get("stalled_runs"), output))
     finally:
         hook.remove()
     # The first run trains epoch 1 and stops in its evaluation: progress. The next two resume there and stop in
