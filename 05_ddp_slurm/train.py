@@ -230,8 +230,9 @@ def start_progress(args, resumed, world_size, train_samples):
     if resumed and resumed.get("step"):  # saved inside an epoch: it goes on there
         check_sample_order(args.checkpoint, resumed, progress)  # a site check (the end)
         progress.update(resumed)
-    elif resumed:
+    elif resumed:  # at the start of an epoch (step 0): a stop's save keeps its stall count
         progress["epoch"] = resumed["epoch"]
+        progress["stalled_runs"] = resumed.get("stalled_runs", 0)
     if not int(os.environ.get("SLURM_RESTART_COUNT", 0)):
         progress["stalled_runs"] = 0
     progress["resumed_at"] = [progress["epoch"], progress["step"]]
