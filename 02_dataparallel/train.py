@@ -101,7 +101,7 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN without dropout or BatchNorm (03's page says why). SiLU and average pooling, not
+    """A small CNN without dropout or BatchNorm (01's page says why). SiLU and average pooling, not
     ReLU and max pooling: smooth, so that the rounding differences between steps (DDP adds in
     another order) stay near 1e-6."""
 
@@ -131,6 +131,7 @@ def loss_and_metric(output, target):
 
 def make_optimizer(model, args):
     # Parameter groups with rates of their own, and AdamW, work too: get_lr scales each group's.
+    # A resume keeps the checkpoint's other settings (momentum, weight decay): load_state_dict.
     return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
@@ -139,11 +140,11 @@ def get_lr(step, steps, peak_lr, args):
     group whose rate in make_optimizer is peak_lr."""
     warmup_steps = args.warmup * steps  # 0 without --warmup
     if step < warmup_steps:  # rises linearly
-        return peak_lr * (step + 1) / (warmup_steps + 1)
+        return peak_lr * ((step + 1) / (warmup_steps + 1))
     if not args.cosine:  # then stays
         return peak_lr
-    progress = min(1, (step - warmup_steps) / (steps - warmup_steps))  # or falls to 0
-    return peak_lr * (1 + math.cos(math.pi * progress)) / 2
+    decay_fraction = min(1, (step - warmup_steps) / (steps - warmup_steps))  # or falls to 0
+    return peak_lr * ((1 + math.cos(math.pi * decay_fraction)) / 2)
 
 
 def make_loaders(args, device):

@@ -80,7 +80,7 @@ def parse_args():
         parser.error("--collective-timeout must be above 0 seconds")
     # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (in a
     # container, one that is thrown away). The folder must be there: else the file is lost too.
-    if args.checkpoint and "SLURM_JOB_ID" in os.environ:
+    if args.checkpoint and "SLURM_SUBMIT_DIR" in os.environ:
         args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint)
         if not os.path.isdir(os.path.dirname(args.checkpoint)):
             parser.error(f"no checkpoint folder {os.path.dirname(args.checkpoint)} on "
@@ -119,7 +119,7 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN without dropout or BatchNorm (03's page says why). SiLU and average pooling, not
+    """A small CNN without dropout or BatchNorm (01's page says why). SiLU and average pooling, not
     ReLU and max pooling: smooth, so that the rounding differences between steps (DDP adds in
     another order) stay near 1e-6."""
 
@@ -149,6 +149,7 @@ def loss_and_metric(output, target):
 
 def make_optimizer(model, args):
     # Parameter groups with rates of their own, and AdamW, work too: get_lr scales each group's.
+    # A resume keeps the checkpoint's other settings (momentum, weight decay): load_state_dict.
     return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
@@ -157,11 +158,11 @@ def get_lr(step, steps, peak_lr, args):
     group whose rate in make_optimizer is peak_lr."""
     warmup_steps = args.warmup * steps  # 0 without --warmup
     if step < warmup_steps:  # rises linearly
-        return peak_lr * (step + 1) / (warmup_steps + 1)
+        return peak_lr * ((step + 1) / (warmup_steps + 1))
     if not args.cosine:  # then stays
         return peak_lr
-    progress = min(1, (step - warmup_steps) / (steps - warmup_steps))  # or falls to 0
-    return peak_lr * (1 + math.cos(math.pi * progress)) / 2
+    decay_fraction = min(1, (step - warmup_steps) / (steps - warmup_steps))  # or falls to 0
+    return peak_lr * ((1 + math.cos(math.pi * decay_fraction)) / 2)
 
 
 def make_loaders(args, rank, world_size, device, gloo_group):
@@ -335,7 +336,7 @@ def train(args, rank, world_size, device, gloo_group):
         train_time = time.perf_counter() - start
         # -1: the seed of no training step, so that evaluation draws numbers of its own.
         test_loss, metric, count = evaluate(model, test_loader, device,
-                                            hash((args.seed, epoch, rank, -1)))
+                                            hash((args.seed, rank, epoch, -1)))
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, checkpointed, {"epoch": epoch + 1})
         dist.barrier(group=gloo_group)  # DDP: the others wait until the checkpoint is complete
@@ -363,18 +364,18 @@ def main():
 # Site checks: what a real cluster can get wrong, set apart from the lesson above.
 
 
-def check_same_checkpoint(path, progress, group):
+def check_same_checkpoint(path, resumed, group):
     """DDP: every rank loads the checkpoint itself (a node's ranks share the file's pages). If one
     found no file or another, as where a node's view of shared storage lags, all end with one
     line rather than train from different states."""
-    found = (progress["epoch"], progress.get("step", 0)) if progress else "no file"
-    every_found = [None] * dist.get_world_size()
-    dist.all_gather_object(every_found, found, group=group)  # DDP: every rank's (epoch, step)
-    if found != every_found[0]:  # the rank that differs says what it found
-        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds (epoch, step) "
-                 f"{found} at {path}, rank 0 {every_found[0]}: start again once every node sees "
-                 "rank 0's file")
-    if any(other != found for other in every_found):
+    every_resumed = [None] * dist.get_world_size()
+    dist.all_gather_object(every_resumed, resumed, group=group)  # DDP: every rank's progress
+    if resumed != every_resumed[0]:  # the rank that differs says what it found
+        found = [(p["epoch"], p.get("step", 0)) if p else "no file" for p in every_resumed]
+        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds another "
+                 f"checkpoint at {path} than rank 0 (epoch, step): {found[dist.get_rank()]}, "
+                 f"rank 0 {found[0]}: start again once every node sees rank 0's file")
+    if any(other != resumed for other in every_resumed):
         sys.exit(1)
 
 

@@ -78,7 +78,7 @@ def parse_args():
     add_submission_flags(parser)  # submitit: the job's shape and the site's options
     args = parser.parse_args()
     if args.workers is None:  # submitit: half of the cores; the other half for the threads
-        args.workers = args.cpus_per_task // 2
+        args.workers = max(0, args.cpus_per_task // 2)  # check_submission_flags checks the cores
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1, workers=0,
                     log_interval=0, clip_grad=0, save_every=0)
     for flag, minimum in minimums.items():
@@ -120,8 +120,8 @@ def add_submission_flags(parser):
 def sbatch_option(text):
     """submitit: --sbatch's KEY=VALUE as (key, value), a bare KEY as (key, True), with dashes as
     submitit writes them: partition=P, --time=10, gpus_per_node=2."""
-    key, _, value = text.lstrip("-").partition("=")
-    return key.replace("_", "-"), value or True
+    key, equals, value = text.lstrip("-").partition("=")
+    return key.replace("_", "-"), value if equals else True
 
 
 # submitit: the sbatch options that 06 sets from its own flags: a --sbatch line would be lost, or
@@ -185,7 +185,7 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN without dropout or BatchNorm (03's page says why). SiLU and average pooling, not
+    """A small CNN without dropout or BatchNorm (01's page says why). SiLU and average pooling, not
     ReLU and max pooling: smooth, so that the rounding differences between steps (DDP adds in
     another order) stay near 1e-6."""
 
@@ -215,6 +215,7 @@ def loss_and_metric(output, target):
 
 def make_optimizer(model, args):
     # Parameter groups with rates of their own, and AdamW, work too: get_lr scales each group's.
+    # A resume keeps the checkpoint's other settings (momentum, weight decay): load_state_dict.
     return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
@@ -223,11 +224,11 @@ def get_lr(step, steps, peak_lr, args):
     group whose rate in make_optimizer is peak_lr."""
     warmup_steps = args.warmup * steps  # 0 without --warmup
     if step < warmup_steps:  # rises linearly
-        return peak_lr * (step + 1) / (warmup_steps + 1)
+        return peak_lr * ((step + 1) / (warmup_steps + 1))
     if not args.cosine:  # then stays
         return peak_lr
-    progress = min(1, (step - warmup_steps) / (steps - warmup_steps))  # or falls to 0
-    return peak_lr * (1 + math.cos(math.pi * progress)) / 2
+    decay_fraction = min(1, (step - warmup_steps) / (steps - warmup_steps))  # or falls to 0
+    return peak_lr * ((1 + math.cos(math.pi * decay_fraction)) / 2)
 
 
 # SLURM: stopping inside an epoch, and resuming there. A stop takes this path:
@@ -242,15 +243,15 @@ def get_lr(step, steps, peak_lr, args):
 #    samples trained before it.
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 REQUEUE_EXIT_CODE = 144  # of tasks that stopped and saved: submit.sh requeues the job
-STOP_CHECK_SECONDS = 2  # how often the ranks agree (each time a collective waits for the GPU)
-received_stop_signals = []  # noted by the handler
+STOP_CHECK_SECONDS = 2  # how often the ranks agree: each time, a collective waits for the GPU
+noted_stop_signals = []  # by the handler
 
 
 def catch_stop_signals():
     """SLURM: a stop signal is noted from here on. Slurm signals the data-loader workers too,
     which have no handler under spawn or forkserver: blocked, the signal stays pending there."""
     for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda signum, frame: received_stop_signals.append(signum))
+        signal.signal(signum, lambda signum, frame: noted_stop_signals.append(signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     # The resource tracker unblocks SIGTERM where it starts (here), so it is blocked again.
     multiprocessing.resource_tracker.ensure_running()
@@ -258,10 +259,10 @@ def catch_stop_signals():
 
 
 def stop_signal_received():
-    """SLURM: the stop signal this process had (noted by the handler, or pending where it is
-    blocked), or 0."""
-    if received_stop_signals:
-        return received_stop_signals[0]
+    """SLURM: the stop signal this process had, or 0: pending, where it is blocked (the main
+    thread and what it starts), or noted by the handler (a thread that does not block it)."""
+    if noted_stop_signals:
+        return noted_stop_signals[0]
     return max(signal.sigpending() & set(STOP_SIGNALS), default=0)
 
 
@@ -276,6 +277,7 @@ def max_over_ranks(values, device):
 class ResumableSampler(DistributedSampler):
     """SLURM: a DistributedSampler that skips the first `skip` indices of this rank's share (the
     steps trained before a stop); its length stays the whole epoch's."""
+    skip = 0
 
     def set_epoch(self, epoch, skip=0):
         super().set_epoch(epoch)
@@ -295,10 +297,10 @@ def start_progress(args, resumed, world_size, train_samples):
                                   train_samples])  # the global batch, the seed, the data size
     if resumed and resumed.get("step"):  # saved inside an epoch: it goes on there
         check_sample_order(args.checkpoint, resumed, progress)  # a site check (the end)
-        progress.update(resumed)
-    elif resumed:  # at the start of an epoch (step 0): a stop's save keeps its stall count
-        progress["epoch"] = resumed["epoch"]
-        progress["stalled_runs"] = resumed.get("stalled_runs", 0)
+        progress.update(step=resumed["step"], loss_sum=resumed["loss_sum"],
+                        count=resumed["count"])
+    if resumed:  # an end-of-epoch save has no stall count
+        progress.update(epoch=resumed["epoch"], stalled_runs=resumed.get("stalled_runs", 0))
     if not int(os.environ.get("SLURM_RESTART_COUNT", 0)):
         progress["stalled_runs"] = 0
     progress["resumed_at"] = [progress["epoch"], progress["step"]]
@@ -310,7 +312,7 @@ def start_progress(args, resumed, world_size, train_samples):
 
 def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
     """SLURM: rank 0 saves the model after progress["step"] steps of progress["epoch"], on a stop
-    or every --save-every minutes. Returns the exit code for a stop."""
+    signal or (stop_signal None) every --save-every minutes. Returns the exit code for a stop."""
     is_main = dist.get_rank() == 0
     stalled = [progress["epoch"], progress["step"]] == progress["resumed_at"]
     stalled_runs = progress["stalled_runs"] + 1 if stalled else 0  # in a row, and this one
@@ -400,6 +402,7 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
                 [stop_signal_received(), now - last_check, now - started], device)
             if stop_signal or 0 < 60 * args.save_every <= running:
                 break
+            # As many steps as took STOP_CHECK_SECONDS, at most twice as many as before.
             steps_between_checks = max(1, min(2 * steps_between_checks, int(
                 STOP_CHECK_SECONDS * steps_between_checks / max(since_check, 1e-6))))
             next_check, last_check = step + steps_between_checks, time.monotonic()
@@ -437,8 +440,9 @@ def evaluate(model, loader, device, seed):
     torch.manual_seed(seed)  # a model that samples (a VAE) gives the same figures after a resume
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     for batch in loader:
-        if stop_signal_received():  # SLURM: train() stops; no collective here (ranks may have
-            break  # one batch more than others)
+        # SLURM: train() then stops. No collective here: ranks may have one batch more than others.
+        if stop_signal_received():
+            break
         inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
         for i, value in enumerate(loss_and_metric(model(inputs), targets)):
             sums[i] += value  # on the device: no GPU sync per batch
@@ -504,6 +508,7 @@ def setup(rank, local_rank, world_size, timeout, store=None):
 
 
 def train(args, rank, world_size, device, gloo_group):
+    """Returns the exit code: 0, or SLURM: a stop's, from save_inside_epoch()."""
     is_main = rank == 0  # DDP: only global rank 0 prints and saves
     train_loader, test_loader = make_loaders(args, rank, world_size, device, gloo_group)
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
@@ -532,12 +537,12 @@ def train(args, rank, world_size, device, gloo_group):
             if stop_signal:  # SLURM: all ranks stopped at this step: save it, and end
                 return save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)
             if progress["step"] < steps_per_epoch:  # SLURM: --save-every: save, and go on
-                save_inside_epoch(args, checkpointed, progress, 0, gloo_group)
+                save_inside_epoch(args, checkpointed, progress, None, gloo_group)
         train_time = time.perf_counter() - start
         # -1: the seed of no training step, so that evaluation draws numbers of its own.
         test_loss, metric, count = evaluate(model, test_loader, device,
-                                            hash((args.seed, epoch, rank, -1)))
-        stop_signal = max_over_ranks([stop_signal_received()], device)[0]
+                                            hash((args.seed, rank, epoch, -1)))
+        stop_signal = int(max_over_ranks([stop_signal_received()], device)[0])
         if stop_signal:  # SLURM: during evaluate(): the next run evaluates again
             return save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)
         loss = progress["loss_sum"] / progress["count"]
@@ -559,7 +564,7 @@ def run(args):
     catch_stop_signals()
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
                                                                 overwrite=True)
-    # MASTER_PORT: the batch script's (main()).
+    # MASTER_PORT: the batch script's (make_executor()).
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
     # SLURM: a relative --checkpoint is the submit folder's, not the working folder's (in a
     # container, one that is thrown away); here in the job, as the launcher's shell is none.
@@ -639,20 +644,19 @@ def main():
 # Site checks: what a real cluster can get wrong, set apart from the lesson above.
 
 
-def check_same_checkpoint(path, progress, group):
+def check_same_checkpoint(path, resumed, group):
     """DDP: every rank loads the checkpoint itself (a node's ranks share the file's pages). If one
     found no file or another, as where a node's view of shared storage lags, all end with one
     line rather than train from different states."""
-    found = (progress["epoch"], progress.get("step", 0)) if progress else "no file"
-    every_found = [None] * dist.get_world_size()
-    dist.all_gather_object(every_found, found, group=group)  # DDP: every rank's (epoch, step)
-    if found != every_found[0]:  # the rank that differs says what it found
-        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds (epoch, step) "
-                 f"{found} at {path}, rank 0 {every_found[0]}: start again once every node sees "
-                 "rank 0's file")
-    if any(other != found for other in every_found):
+    every_resumed = [None] * dist.get_world_size()
+    dist.all_gather_object(every_resumed, resumed, group=group)  # DDP: every rank's progress
+    if resumed != every_resumed[0]:  # the rank that differs says what it found
+        found = [(p["epoch"], p.get("step", 0)) if p else "no file" for p in every_resumed]
+        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds another "
+                 f"checkpoint at {path} than rank 0 (epoch, step): {found[dist.get_rank()]}, "
+                 f"rank 0 {found[0]}: start again once every node sees rank 0's file")
+    if any(other != resumed for other in every_resumed):
         sys.exit(1)
-
 
 
 def tasks_on_node(node_id, default):
@@ -681,19 +685,19 @@ def gpus_on_node():
 def check_launch(checkpoint, rank):
     """SLURM: a wrong launch ends here with one line, before any rank waits for another (05's
     page lists the checks)."""
-    task = f"error: task {rank} on {socket.gethostname()}"
+    error_prefix = f"error: task {rank} on {socket.gethostname()}"
     gpus, visible = gpus_on_node(), torch.cuda.device_count()
     tasks = tasks_on_node(int(os.environ.get("SLURM_NODEID", 0)), gpus)
     one_task_per_gpu = torch.cuda.is_available() and tasks == gpus and visible in (1, gpus)
     if (gpus or visible) and not one_task_per_gpu:
-        sys.exit(f"{task}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} "
+        sys.exit(f"{error_prefix}: {tasks} tasks and {gpus} GPUs on it, and CUDA sees {visible} "
                  f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}): run one task "
                  "per GPU (--ntasks-per-node as --gpus-per-node, or --gpus-per-task=1) on nodes "
                  "whose GPUs work (nvidia-smi)")
     folder = os.path.dirname(os.path.abspath(checkpoint or ""))
     if checkpoint and "SLURM_JOB_ID" in os.environ and not os.path.isdir(folder):
-        sys.exit(f"{task}: no checkpoint folder {folder}: make it before the job (and mount it "
-                 "there in a container)")
+        sys.exit(f"{error_prefix}: no checkpoint folder {folder}: make it before the job (and "
+                 "mount it there in a container)")
     requeued = int(os.environ.get("SLURM_RESTART_COUNT", 0))
     if rank == 0 and requeued and not os.path.exists(checkpoint or ""):
         print(f"requeued, but no checkpoint at {checkpoint}: starting over", flush=True)
@@ -714,9 +718,12 @@ def check_gpus_not_shared(device, group, is_main):
 def check_sample_order(path, resumed, progress):
     """SLURM: a checkpoint saved inside an epoch resumes only where its steps take the same
     samples: the same global batch, seed and data size."""
+    if "sample_order" not in resumed:
+        exit_with_error(f"{path} was saved inside an epoch by an older train.py: resume it with "
+                        "that one, or from an end-of-epoch checkpoint", dist.get_rank() == 0)
     if resumed["sample_order"] == progress["sample_order"]:
         return
-    batch, seed, samples = resumed["sample_order"]
+    _, seed, samples = resumed["sample_order"]  # the global batch, the seed, the data size
     exit_with_error(
         f"{path} stopped inside epoch {resumed['epoch'] + 1} with {resumed['world_size']} "
         f"processes x {resumed['batch_size']} samples x --accumulate {resumed['accumulate']} "

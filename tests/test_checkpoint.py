@@ -2,6 +2,7 @@
 without keeping anything of them, at most one copy of the state in memory per rank."""
 import gc
 import re
+import socket
 import sys
 import weakref
 
@@ -123,3 +124,23 @@ def test_a_resume_holds_at_most_one_copy_of_the_state(tmp_path):
     assert len(figures) == 2, result
     for before, peak in figures:
         assert peak - before <= state_mb + state_mb / 2 + 64, (state_mb, figures)
+
+
+def test_ranks_that_found_different_files_at_the_same_step_stop(monkeypatch):
+    """check_same_checkpoint compares all that a rank loaded besides the weights, not only (epoch, step): two
+    files at one step (a fixed --checkpoint reused by two runs, one node's stale view) differ in their loss sums,
+    and the ranks would train from different optimizer states (DDP broadcasts the weights only). The gather is
+    stood in for: rank 1 found one file, rank 0 another."""
+    module = load_step_module("05_ddp_slurm")
+    rank0 = {"epoch": 1, "step": 5, "loss_sum": 40.0, "count": 320.0}
+    mine = dict(rank0, loss_sum=39.0)
+    monkeypatch.setattr(module.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(module.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(slice(None),
+                                                                                                [rank0, obj]))
+    with pytest.raises(SystemExit) as stopped:
+        module.check_same_checkpoint("ckpt.pt", mine, None)
+    assert str(stopped.value) == (f"error: rank 1 on {socket.gethostname()} finds another checkpoint at ckpt.pt than "
+                                  "rank 0 (epoch, step): (1, 5), rank 0 (1, 5): start again once every node sees "
+                                  "rank 0's file")
+    module.check_same_checkpoint("ckpt.pt", dict(rank0), None)  # the same: no exit

@@ -276,8 +276,8 @@ def test_05_a_rank_that_sees_another_checkpoint_stops_the_run_with_one_line(clus
     codes, output = finish_all(procs, timeout=60)
     assert all(code != 0 for code in codes), output
     errors = sorted(line for line in output.splitlines() if "error" in line.lower())
-    assert errors == [f"error: rank {rank} on {os.uname().nodename} finds (epoch, step) {seen} at ckpt.pt, rank 0 "
-                      "(2, 0): start again once every node sees rank 0's file"
+    assert errors == [f"error: rank {rank} on {os.uname().nodename} finds another checkpoint at ckpt.pt than rank 0 "
+                      f"(epoch, step): {seen}, rank 0 (2, 0): start again once every node sees rank 0's file"
                       for rank, seen in ((1, "no file"), (2, "(1, 0)"))], output
     assert "Traceback" not in output and "epoch 3/3" not in output, output
     assert (folders[0] / "ckpt.pt").read_bytes() == ladder("05_ddp_slurm").final.read_bytes()  # nothing saved
@@ -322,6 +322,25 @@ def test_05_mid_epoch_checkpoint_and_another_layout(preempted, reference, tmp_pa
     assert code == 0, output
     assert f"after epoch 1 step {run.step}" in output and output.count("epoch 2/2 |") == 1, output
     assert max_abs_diff(weights(checkpoint), weights(reference.epoch2)) <= TOLERANCE
+
+
+def test_05_a_resumed_run_saves_its_own_layout(preempted, tmp_path, capsys, monkeypatch):
+    """A checkpoint from inside epoch 2 of 2 processes x 32, resumed in 1 process x 64 and stopped again at once
+    (a stop signal pending from the start, in a requeued job): the new save names this run's layout, 1 x 64, not
+    the checkpoint's, and counts the run that made no step. A save that copied the checkpoint's layout would
+    refuse a later layout with a line that names the wrong one."""
+    checkpoint = tmp_path / "ckpt.pt"
+    checkpoint.write_bytes(preempted.mid_epoch.read_bytes())
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    monkeypatch.setattr(signal, "sigpending", lambda: {signal.SIGUSR2})
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    code, output = train_in_process("05_ddp_slurm", [*SYNTHETIC, "--epochs", "2", "--batch-size", "64",
+                                                     "--checkpoint", str(checkpoint)], capsys)
+    resaved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert code == REQUEUE_CODE and f"stopped at epoch 2 step {preempted.step} on SIGUSR2" in output, output
+    assert (saved["world_size"], saved["batch_size"]) == (2, 32), saved.keys()
+    assert (resaved["world_size"], resaved["batch_size"], resaved["accumulate"]) == (1, 64, 1)
+    assert resaved["stalled_runs"] == saved["stalled_runs"] + 1 and resaved["step"] == preempted.step
 
 
 OTHERS = ("01_single_gpu", "02_dataparallel", "03_ddp_mpspawn")  # 04 (torchrun) is started as a user would
@@ -458,7 +477,7 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
                          warmup=0, cosine=False)
         progress = lambda: dict(epoch=0, step=0, loss_sum=0.0, count=0.0)  # noqa: E731
         cpu = dict(peak_lrs=[0.01], device=torch.device("cpu"))
-        module.received_stop_signals.clear()
+        module.noted_stop_signals.clear()
         # 1000 steps of 2 ms: not a check every step or every 10, but one per interval once the spacing has
         # doubled up to it, and never more than an interval and a step apart.
         done = progress()
@@ -472,13 +491,13 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
         # at most an interval and a step later.
         checks.clear()
         clock.now, requested = 0.0, 2.0
-        stop = lambda now: (now >= requested and not module.received_stop_signals  # noqa: E731
-                            and module.received_stop_signals.append(signal.SIGUSR2))
+        stop = lambda now: (now >= requested and not module.noted_stop_signals  # noqa: E731
+                            and module.noted_stop_signals.append(signal.SIGUSR2))
         stopped = progress()
         samples, signum = module.train_one_epoch(
             args, model, DataLoader(SlowData(clock, 0.05, 400, stop), batch_size=4), optimizer, **cpu, progress=stopped)
         assert stopped["step"] < 100 and 0 < samples < 400 and signum == signal.SIGUSR2, (stopped, samples)
         assert 0 <= checks[-1] - requested <= 0.5 + 0.2 + 1e-9, checks  # one interval + a step
     finally:
-        module.received_stop_signals.clear()
+        module.noted_stop_signals.clear()
         dist.destroy_process_group()
