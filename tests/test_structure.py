@@ -155,7 +155,7 @@ PAGE_BLOCKS = {
     "04_ddp_torchrun": ["output 04", "diff 03_ddp_mpspawn/train.py 04_ddp_torchrun/train.py",
                         "diff 03_ddp_mpspawn/run.sh 04_ddp_torchrun/run.sh", "file 04_ddp_torchrun/submit.sh"],
     "05_ddp_slurm": ["output 05", "diff 04_ddp_torchrun/train.py 05_ddp_slurm/train.py",
-                     "diff 04_ddp_torchrun/submit.sh 05_ddp_slurm/submit.sh"],
+                     "file 05_ddp_slurm/submit.sh"],
     "06_ddp_submitit": ["output 06", "diff 05_ddp_slurm/train.py 06_ddp_submitit/train.py"],
 }
 
