@@ -185,10 +185,11 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
     model.train()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
     logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
-    batches = iter(loader)  # draws the epoch's order: before the seeding below
+    batches = iter(loader)  # draws the workers' seeds: from train()'s seeding, not a step's
     steps = math.ceil(len(loader) / args.accumulate)  # optimizer steps of the epoch
     for step in range(steps):
-        # Dropout and other random draws as if the run was never stopped: seeded by the step.
+        # Dropout and other draws here as if the run was never stopped: seeded by the step (the
+        # data-loader workers' draws are not: 01's page).
         # Not torch.manual_seed, which seeds every kind of device: 0.1 ms a call.
         seed = hash((args.seed, epoch, step))
         torch.default_generator.manual_seed(seed)
@@ -201,7 +202,8 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
         train_step(args, model, batches, micro_batches, optimizer, device, sums)
         if args.log_interval and (step + 1) % args.log_interval == 0:
             # One GPU sync per progress line, none between.
-            (loss_sum, count, samples), now = (sums - logged_sums).tolist(), time.perf_counter()
+            loss_sum, count, samples = (sums - logged_sums).tolist()
+            now = time.perf_counter()
             print(f"epoch {epoch + 1} step {step + 1}/{steps} | loss {loss_sum / count:.4f} | "
                   f"{samples / (now - logged_at):.0f} samples/s", flush=True)
             logged_sums, logged_at = sums.clone(), now
@@ -234,8 +236,8 @@ def save_checkpoint(path, checkpointed, progress):
 
 def load_checkpoint(path, checkpointed):
     """Restores each object of checkpointed from path; returns the progress saved with them
-    ({"epoch": ...}), or None where path does not exist. The file is mapped, not read: each tensor
-    is copied once, onto this process's device."""
+    ({"epoch": ...}), or None where path does not exist. The file is mapped, not read: a tensor is
+    copied at most once, onto this process's device (on a CPU, the optimizer keeps some mapped)."""
     if not os.path.exists(path):
         return None
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)

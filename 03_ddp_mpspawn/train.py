@@ -208,10 +208,11 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
     model.train()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
     logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
-    batches = iter(loader)  # draws the epoch's order: before the seeding below
+    batches = iter(loader)  # draws the workers' seeds: from train()'s seeding, not a step's
     steps = math.ceil(len(loader) / args.accumulate)  # optimizer steps of the epoch
     for step in range(steps):
-        # Dropout and other random draws as if the run was never stopped: seeded by the step.
+        # Dropout and other draws here as if the run was never stopped: seeded by the step (the
+        # data-loader workers' draws are not: 01's page).
         # Not torch.manual_seed, which seeds every kind of device: 0.1 ms a call.
         seed = hash((args.seed, dist.get_rank(), epoch, step))  # DDP: and by the rank
         torch.default_generator.manual_seed(seed)
@@ -225,7 +226,8 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
         # DDP: rank 0 prints its own loss (an average over ranks would take a collective).
         if dist.get_rank() == 0 and args.log_interval and (step + 1) % args.log_interval == 0:
             # One GPU sync per progress line, none between.
-            (loss_sum, count, samples), now = (sums - logged_sums).tolist(), time.perf_counter()
+            loss_sum, count, samples = (sums - logged_sums).tolist()
+            now = time.perf_counter()
             # DDP: every rank trains as many samples.
             print(f"epoch {epoch + 1} step {step + 1}/{steps} | loss {loss_sum / count:.4f} "
                   f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} "
@@ -262,8 +264,8 @@ def save_checkpoint(path, checkpointed, progress):
 
 def load_checkpoint(path, checkpointed):
     """Restores each object of checkpointed from path; returns the progress saved with them
-    ({"epoch": ...}), or None where path does not exist. The file is mapped, not read: each tensor
-    is copied once, onto this process's device."""
+    ({"epoch": ...}), or None where path does not exist. The file is mapped, not read: a tensor is
+    copied at most once, onto this process's device (on a CPU, the optimizer keeps some mapped)."""
     if not os.path.exists(path):
         return None
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -326,7 +328,7 @@ def train(args, rank, world_size, device, gloo_group):
     for epoch in range(start_epoch, args.epochs):
         train_loader.sampler.set_epoch(epoch)  # DDP: else every epoch repeats the first's order
         # The data-loader workers' seeds (persistent workers': once per run). DDP: and by rank.
-        torch.manual_seed(hash((args.seed, epoch, rank)))
+        torch.manual_seed(hash((args.seed, rank, epoch)))
         start = time.perf_counter()
         loss, samples = train_one_epoch(args, ddp_model, train_loader, optimizer, peak_lrs, device,
                                         epoch)

@@ -51,7 +51,7 @@ def parse_args():
                         help="data-loader worker processes per process "
                              "(0: none, for data in memory; more for files)")
     parser.add_argument("--checkpoint", metavar="PATH",
-                        help="save after every epoch; resume if PATH exists")
+                        help="save after every epoch and at a stop; resume if PATH exists")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: none)")
     parser.add_argument("--accumulate", type=int, default=1,
@@ -82,7 +82,7 @@ def parse_args():
         parser.error("--warmup must be at least 0 and below 1")
     if not args.collective_timeout > 0:
         parser.error("--collective-timeout must be above 0 seconds")
-    # Slurm: a relative --checkpoint is the submit folder's, not the working folder's (in a
+    # SLURM: a relative --checkpoint is the submit folder's, not the working folder's (in a
     # container, one that is thrown away). check_launch() refuses a folder missing there (srun).
     if args.checkpoint and "SLURM_SUBMIT_DIR" in os.environ:
         args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint)
@@ -178,6 +178,7 @@ def get_lr(step, steps, peak_lr, args):
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 REQUEUE_EXIT_CODE = 144  # of tasks that stopped and saved: submit.sh requeues the job
 STOP_CHECK_SECONDS = 2  # how often the ranks agree: each time, a collective waits for the GPU
+MAX_STALLED_RUNS = 3  # runs in a row stopped before any progress: then the job is not requeued
 noted_stop_signals = []  # by the handler
 
 
@@ -193,8 +194,9 @@ def catch_stop_signals():
 
 
 def stop_signal_received():
-    """SLURM: the stop signal this process had, or 0: pending, where it is blocked (the main
-    thread and what it starts), or noted by the handler (a thread that does not block it)."""
+    """SLURM: the first stop signal this process received, or 0. Where it is blocked (the main
+    thread and what it starts), it waits in sigpending(); a thread without the block runs the
+    handler, which notes it."""
     if noted_stop_signals:
         return noted_stop_signals[0]
     return max(signal.sigpending() & set(STOP_SIGNALS), default=0)
@@ -239,7 +241,7 @@ def start_progress(args, resumed, world_size, train_samples):
         progress["stalled_runs"] = 0
     progress["resumed_at"] = [progress["epoch"], progress["step"]]
     if resumed and dist.get_rank() == 0:
-        print(f"resumed from {args.checkpoint} after epoch {progress['epoch']} "
+        print(f"resumed from {args.checkpoint} at epoch {progress['epoch'] + 1} "
               f"step {progress['step']}", flush=True)
     return progress
 
@@ -264,7 +266,7 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
         exit_code = 0
         outcome = ("no --checkpoint, so nothing is saved and the job is not requeued (it would "
                    "start over)")
-    elif stalled_runs < 3:  # submit.sh requeues the job on this code
+    elif stalled_runs < MAX_STALLED_RUNS:  # submit.sh requeues the job on this code
         exit_code = REQUEUE_EXIT_CODE
         outcome = f"{saved}, exit code {REQUEUE_EXIT_CODE} to be requeued"
     else:  # a time limit that start-up and the signal's lead use up would requeue the job for ever
@@ -325,7 +327,7 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
     epoch, stop_signal = progress["epoch"], 0
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
     logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
-    batches = iter(loader)  # draws the epoch's order: before the seeding below
+    batches = iter(loader)  # draws the workers' seeds: from train()'s seeding, not a step's
     steps = math.ceil(len(loader) / args.accumulate)  # optimizer steps of the epoch
     next_check, steps_between_checks = progress["step"], 1  # SLURM: when the ranks agree
     started = last_check = time.monotonic()
@@ -334,13 +336,17 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
             now = time.monotonic()
             stop_signal, since_check, running = max_over_ranks(
                 [stop_signal_received(), now - last_check, now - started], device)
-            if stop_signal or 0 < 60 * args.save_every <= running:
+            save_due = args.save_every and running >= 60 * args.save_every
+            if stop_signal or save_due:
                 break
-            # As many steps as took STOP_CHECK_SECONDS, at most twice as many as before.
-            steps_between_checks = max(1, min(2 * steps_between_checks, int(
-                STOP_CHECK_SECONDS * steps_between_checks / max(since_check, 1e-6))))
+            # The next check after as many steps as take STOP_CHECK_SECONDS, at most twice as
+            # many as before.
+            steps_per_second = steps_between_checks / max(since_check, 1e-6)
+            steps_between_checks = min(2 * steps_between_checks,
+                                       max(1, int(STOP_CHECK_SECONDS * steps_per_second)))
             next_check, last_check = step + steps_between_checks, time.monotonic()
-        # Dropout and other random draws as if the run was never stopped: seeded by the step.
+        # Dropout and other draws here as if the run was never stopped: seeded by the step (the
+        # data-loader workers' draws are not: 01's page).
         # Not torch.manual_seed, which seeds every kind of device: 0.1 ms a call.
         seed = hash((args.seed, dist.get_rank(), epoch, step))  # DDP: and by the rank
         torch.default_generator.manual_seed(seed)
@@ -355,7 +361,8 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
         # DDP: rank 0 prints its own loss (an average over ranks would take a collective).
         if dist.get_rank() == 0 and args.log_interval and (step + 1) % args.log_interval == 0:
             # One GPU sync per progress line, none between.
-            (loss_sum, count, samples), now = (sums - logged_sums).tolist(), time.perf_counter()
+            loss_sum, count, samples = (sums - logged_sums).tolist()
+            now = time.perf_counter()
             # DDP: every rank trains as many samples.
             print(f"epoch {epoch + 1} step {step + 1}/{steps} | loss {loss_sum / count:.4f} "
                   f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} "
@@ -397,8 +404,8 @@ def save_checkpoint(path, checkpointed, progress):
 
 def load_checkpoint(path, checkpointed):
     """Restores each object of checkpointed from path; returns the progress saved with them
-    ({"epoch": ...}), or None where path does not exist. The file is mapped, not read: each tensor
-    is copied once, onto this process's device."""
+    ({"epoch": ...}), or None where path does not exist. The file is mapped, not read: a tensor is
+    copied at most once, onto this process's device (on a CPU, the optimizer keeps some mapped)."""
     if not os.path.exists(path):
         return None
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -460,7 +467,7 @@ def train(args, rank, world_size, device, gloo_group):
     steps_per_epoch = math.ceil(len(train_loader) / args.accumulate)
     for epoch in range(progress["epoch"], args.epochs):
         # The data-loader workers' seeds (persistent workers': once per run). DDP: and by rank.
-        torch.manual_seed(hash((args.seed, epoch, rank)))
+        torch.manual_seed(hash((args.seed, rank, epoch)))
         start, samples = time.perf_counter(), 0
         while progress["step"] < steps_per_epoch:  # SLURM: in parts, ending at a save or a stop
             skip = progress["step"] * args.batch_size * args.accumulate  # SLURM: trained already
@@ -566,12 +573,13 @@ def check_launch(checkpoint, rank):
                  f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}): run one task "
                  "per GPU (--ntasks-per-node as --gpus-per-node, or --gpus-per-task=1) on nodes "
                  "whose GPUs work (nvidia-smi)")
-    folder = os.path.dirname(os.path.abspath(checkpoint or ""))
-    if checkpoint and "SLURM_JOB_ID" in os.environ and not os.path.isdir(folder):
-        sys.exit(f"{error_prefix}: no checkpoint folder {folder}: make it before the job (and "
-                 "mount it there in a container)")
+    if checkpoint and "SLURM_JOB_ID" in os.environ:
+        folder = os.path.dirname(os.path.abspath(checkpoint))
+        if not os.path.isdir(folder):
+            sys.exit(f"{error_prefix}: no checkpoint folder {folder}: make it before the job "
+                     "(and mount it there in a container)")
     requeued = int(os.environ.get("SLURM_RESTART_COUNT", 0))
-    if rank == 0 and requeued and not os.path.exists(checkpoint or ""):
+    if rank == 0 and requeued and not (checkpoint and os.path.exists(checkpoint)):
         print(f"requeued, but no checkpoint at {checkpoint}: starting over", flush=True)
 
 

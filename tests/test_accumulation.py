@@ -363,7 +363,7 @@ def assert_resumed_bit_for_bit(runs, step):
     (stop_codes, stopped), (resume_codes, resumed) = runs.stopped, runs.resumed
     assert stop_codes == [REQUEUE_CODE] * 2 and STOPPED.findall(stopped) == [("1", str(step), "SIGTERM")], stopped
     assert state(runs.mid_epoch)["step"] == step
-    assert resume_codes == [0, 0] and f"after epoch 0 step {step}" in resumed, resumed
+    assert resume_codes == [0, 0] and f"at epoch 1 step {step}" in resumed, resumed
     uninterrupted, final = state(runs.folder / "uninterrupted.pt"), state(runs.folder / "stopped.pt")
     assert all(torch.equal(final["model"][k], uninterrupted["model"][k]) for k in final["model"]), "not bit for bit"
     momentum = [(s["momentum_buffer"], uninterrupted["optimizer"]["state"][i]["momentum_buffer"])

@@ -184,7 +184,7 @@ def test_a_copied_05_resumes_the_language_model_bit_for_bit(tmp_path):
     assert mid_epoch["step"] == HOLD, mid_epoch.keys()
     resume_codes, resumed = finish_all(start_copy(script, [*flags, "--checkpoint", str(checkpoint)],
                                                   dict(PYTHONPATH=str(site))))
-    assert resume_codes == [0, 0] and f"after epoch 0 step {HOLD}" in resumed, resumed
+    assert resume_codes == [0, 0] and f"at epoch 1 step {HOLD}" in resumed, resumed
 
     expected = torch.load(uninterrupted, map_location="cpu", weights_only=True)
     final = torch.load(checkpoint, map_location="cpu", weights_only=True)

@@ -179,7 +179,7 @@ def test_05_on_the_gpu_stops_inside_an_epoch_and_resumes_like_an_uninterrupted_r
     step = int(stopped.group(2))
     assert stopped.group(1) == "2" and step == 5 and stopped.group(3) == name, run_["stopped"]  # the next check
     assert torch.load(run_["mid_epoch"], map_location="cpu")["step"] == step
-    assert run_["codes_resumed"] == [0] and f"after epoch 1 step {step}" in run_["resumed"], run_["resumed"]
+    assert run_["codes_resumed"] == [0] and f"at epoch 2 step {step}" in run_["resumed"], run_["resumed"]
     uninterrupted = stopped_on_the_gpu[None]
     assert uninterrupted["codes"] == [0], uninterrupted["stopped"]
     diff = max_abs_diff(weights(run_["checkpoint"]), weights(uninterrupted["checkpoint"]))
@@ -195,7 +195,7 @@ def test_checkpoints_move_between_the_gpu_and_the_cpu(gpu_env, stopped_on_the_gp
     resumed = run_slurm_tasks([*TRAIN_05, "--checkpoint", str(on_cpu)], world_size=1, timeout=300,
                               CUDA_VISIBLE_DEVICES="")
     assert resumed.returncode == 0 and "device cpu backend gloo" in resumed.output, resumed
-    assert "after epoch 1 step " in resumed.output, resumed
+    assert "at epoch 2 step " in resumed.output, resumed
     from_cpu = tmp_path / "from_cpu.pt"
     first = run([sys.executable, "01_single_gpu/train.py", *SYNTHETIC, "--epochs", "1", "--checkpoint",
                  str(from_cpu)], 300, env=gpu_env(CUDA_VISIBLE_DEVICES=""))
@@ -281,7 +281,7 @@ def test_05_on_the_gpu_in_bf16_stops_between_micro_batches_on_the_next_step_and_
         stopped["output"]
     assert stopped["step"] == 21
     codes, resumed = stopped["resumed"]
-    assert codes == [0] and "after epoch 0 step 21" in resumed, resumed
+    assert codes == [0] and "at epoch 1 step 21" in resumed, resumed
     assert uninterrupted["codes"] == [0], uninterrupted["output"]
     assert stopped["dtypes"].read_text().split() == ["0", "torch.bfloat16"]
     diff = max_abs_diff(weights(stopped["checkpoint"]), weights(uninterrupted["checkpoint"]))

@@ -1,6 +1,7 @@
 """How each process finds its GPU and its rendezvous. setup() of 03-06 under the layouts that real sites give
 a task (all of its node's GPUs, or one bound to it), with CUDA and the process group replaced by recorders,
 and 03's rendezvous port, which no other program can take."""
+import os
 import signal
 import socket
 import subprocess
@@ -328,3 +329,59 @@ def test_06_checkpoints_in_the_submit_folder_by_default_one_per_job(monkeypatch,
     assert sorted(path.name for path in (submit / "checkpoints").iterdir()) == ["ddp-submitit-4242.pt", "mine.pt"]
     assert not list(workdir.iterdir())
 
+
+
+@pytest.mark.parametrize("gpus_per_node, visible", [(0, 0), (2, 2)])
+def test_06_local_on_a_gpu_machine_runs_no_slurm_check(monkeypatch, tmp_path, gpus_per_node, visible):
+    """06 --local on a machine with 4 GPUs, asked for none (CUDA_VISIBLE_DEVICES= ) or for 2 of them (submitit's
+    local runner shows the tasks GPUs 0 and 1): the task starts its process group. check_launch() judges a Slurm
+    job's layout; --local has none (it drops SLURM_*), and it counted the machine's 4 device files against 2 tasks
+    and refused both runs ("2 tasks and 4 GPUs on it")."""
+    module = load_step_module("06_ddp_submitit")
+    for index in range(4):
+        (tmp_path / f"nvidia{index}").touch()
+    monkeypatch.setenv("GPU_DEVICES", f"{tmp_path}/nvidia")
+    for name in [name for name in os.environ if name.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(visible))))
+    monkeypatch.setattr(sys, "argv", ["06_ddp_submitit/train.py", "--local", "--dataset", "synthetic",
+                                      "--tasks-per-node", "2", "--gpus-per-node", str(gpus_per_node)])
+    args = module.parse_args()
+    monkeypatch.setattr(module, "catch_stop_signals", lambda: None)  # not in the test's own process
+    task = Namespace(rank=1, local_rank=1, world_size=2)  # what submitit's local runner gives task 1
+    monkeypatch.setattr(module.submitit.helpers, "TorchDistributedEnvironment",
+                        lambda: Namespace(export=lambda **_: task))
+
+    class Started(Exception):
+        pass
+
+    def setup(rank, local_rank, world_size, timeout):
+        raise Started(rank, local_rank, world_size)
+    monkeypatch.setattr(module, "setup", setup)
+    with pytest.raises(Started) as started:
+        module.run(args)
+    assert started.value.args == (1, 1, 2)
+
+
+def test_06_refuses_a_launch_folder_whose_module_would_stand_in_for_it(monkeypatch, tmp_path):
+    """06's job imports this file by its name (train), and Python looks in the job's working folder (the launch
+    folder) first: a project's own train.py there would be imported instead of 06's ("Can't get attribute 'run'",
+    or its run() if it has one). The launcher ends with one line before it submits anything."""
+    module = load_step_module("06_ddp_submitit")
+    (tmp_path / "train.py").write_text("def run(args):\n    pass\n")  # the user's own training script
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(REPO / "06_ddp_submitit"))  # as `python 06_ddp_submitit/train.py` starts
+    monkeypatch.setattr(sys, "argv", ["06_ddp_submitit/train.py", "--local", "--dataset", "synthetic"])
+
+    class Submitted(Exception):
+        pass
+
+    def submit(*_):
+        raise Submitted
+    monkeypatch.setattr(module, "make_executor", lambda args: Namespace(cluster="local", submit=submit))
+    with pytest.raises(SystemExit) as refused:
+        module.main()
+    assert refused.value.code == (f"error: {tmp_path}/train.py would be imported in the job instead of "
+                                  f"{module.__file__}: launch 06 from another folder"), refused.value.code

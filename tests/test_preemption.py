@@ -247,7 +247,7 @@ def test_05_preemption_with_workers_of_any_start_method(preempted, ladder, refer
     saved = torch.load(run.mid_epoch, map_location="cpu")
     assert (saved["epoch"], saved["step"], saved["world_size"], saved["batch_size"]) == (1, step, 2, 32)
     assert run.codes == [0, 0], run.resumed
-    assert f"after epoch 1 step {step}" in run.resumed, run.resumed
+    assert f"at epoch 2 step {step}" in run.resumed, run.resumed
     # Progress lines count the epoch's steps, not the resumed run's: at 15, 30, 45 of 50 past the stop.
     progress = re.findall(r"^epoch 2 step (\d+)/(\d+) \|", run.resumed, re.M)
     assert progress == [(str(n), str(STEPS_PER_EPOCH)) for n in (15, 30, 45) if n > step], (step, run.resumed)
@@ -317,10 +317,10 @@ def test_05_mid_epoch_checkpoint_and_another_layout(preempted, reference, tmp_pa
 
     code, output = train_in_process("05_ddp_slurm", [*SYNTHETIC, "--batch-size", "16", "--epochs", "2",
                                                      "--checkpoint", str(end_of_epoch)], capsys)
-    assert code == 0 and "after epoch 1 step 0" in output and "epoch 2/2 |" in output, output
+    assert code == 0 and "at epoch 2 step 0" in output and "epoch 2/2 |" in output, output
     code, output = train_in_process("05_ddp_slurm", [*flags, "--batch-size", "64"], capsys)
     assert code == 0, output
-    assert f"after epoch 1 step {run.step}" in output and output.count("epoch 2/2 |") == 1, output
+    assert f"at epoch 2 step {run.step}" in output and output.count("epoch 2/2 |") == 1, output
     assert max_abs_diff(weights(checkpoint), weights(reference.epoch2)) <= TOLERANCE
 
 
@@ -381,7 +381,7 @@ def test_06_local_preemption_requeues_and_resumes(cluster_env, ladder, tmp_path)
     stopped = STOPPED.search(log)
     assert stopped and stopped.group(2) == str(HOLD) and stopped.group(3) == "SIGTERM", log
     assert stopped.group(1) == "2" and f"exit code {REQUEUE_CODE} to be requeued" in log, log
-    assert f"after epoch 1 step {stopped.group(2)}" in log, log
+    assert f"at epoch 2 step {stopped.group(2)}" in log, log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
     assert "killed by signal" not in log and "died unexpectedly" not in log, log
     resumed, uninterrupted = weights(checkpoint), weights(ladder("06_ddp_submitit").final)
@@ -412,7 +412,7 @@ def test_05_a_signal_during_evaluation_stops_the_job(cluster_env, reference, tmp
     code, output = train_in_process("05_ddp_slurm", [*SYNTHETIC, "--batch-size", "64", "--epochs", "2",
                                                      "--checkpoint", str(checkpoint)], capsys)
     assert code == 0, output
-    assert f"after epoch 1 step {STEPS_PER_EPOCH}" in output, output
+    assert f"at epoch 2 step {STEPS_PER_EPOCH}" in output, output
     [resumed] = [line for line in output.splitlines() if line.startswith("epoch 2/2 |")]
     [uninterrupted] = [line for line in reference.run2.output.splitlines() if line.startswith("epoch 2/2 |")]
     assert resumed.split("|")[1:3] == uninterrupted.split("|")[1:3], (resumed, uninterrupted)  # loss, accuracy

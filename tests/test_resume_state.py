@@ -108,7 +108,7 @@ def test_a_users_stateful_object_is_saved_mid_epoch_and_restored(counted):
     assert codes == [0, 0], output
     (stop_codes, stopped), (resume_codes, resumed) = counted.stopped, counted.resumed
     assert stop_codes == [REQUEUE_CODE] * 2 and STOPPED.findall(stopped) == [("1", str(HOLD), "SIGTERM")], stopped
-    assert resume_codes == [0, 0] and f"after epoch 0 step {HOLD}" in resumed, resumed
+    assert resume_codes == [0, 0] and f"at epoch 1 step {HOLD}" in resumed, resumed
     mid_epoch, final, uninterrupted = map(state, (counted.mid_epoch, counted.final, counted.uninterrupted))
     assert mid_epoch["step"] == HOLD and mid_epoch["steps"] == {"steps": HOLD}, mid_epoch.keys()
     assert uninterrupted["steps"] == {"steps": STEPS_PER_EPOCH}, uninterrupted["steps"]

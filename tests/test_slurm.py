@@ -99,13 +99,13 @@ def accounted_runs(job_id):
 
 
 STOP_LINE = re.compile(r"^stopped at epoch (\d+) step (\d+) on SIG(?:USR2|TERM)", re.M)
-RESUME_LINE = re.compile(r"^resumed from \S+ after epoch (\d+) step (\d+)$", re.M)
+RESUME_LINE = re.compile(r"^resumed from \S+ at epoch (\d+) step (\d+)$", re.M)
 
 
 def stops_and_resumes(log):
     """Where each run stopped and where the next one resumed, both as (epochs done, step in the next)."""
     return ([(int(epoch) - 1, int(step)) for epoch, step in STOP_LINE.findall(log)],
-            [(int(epoch), int(step)) for epoch, step in RESUME_LINE.findall(log)])
+            [(int(epoch) - 1, int(step)) for epoch, step in RESUME_LINE.findall(log)])
 
 
 # --- 05: the user's own submit.sh, with only command-line and environment overrides for the CPU ---
@@ -356,7 +356,7 @@ def test_scancel_saves_the_step_and_a_new_job_resumes_there(slurm, submit_sh_run
     again_id = job_id_of(again)
     assert finish(again, 120) == 0, read(tmp_path / f"ddp-slurm-{again_id}.out")
     again_log = read(tmp_path / f"ddp-slurm-{again_id}.out")
-    assert f"after epoch 1 step {step}" in again_log and again_log.count("epoch 2/2 |") == 1, again_log
+    assert f"at epoch 2 step {step}" in again_log and again_log.count("epoch 2/2 |") == 1, again_log
     resumed, uninterrupted = weights(checkpoint), weights(submit_sh_runs["2x1"]["checkpoint"])
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bit for bit, same layout
 
@@ -390,7 +390,7 @@ def test_a_job_killed_without_warning_resumes_at_its_last_periodic_save(slurm, s
     again = sbatch_05(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", str(checkpoint)])
     again_id = job_id_of(again)
     assert finish(again, 120) == 0, read(tmp_path / f"ddp-slurm-{again_id}.out")
-    assert f"after epoch 1 step {last}" in read(tmp_path / f"ddp-slurm-{again_id}.out")
+    assert f"at epoch 2 step {last}" in read(tmp_path / f"ddp-slurm-{again_id}.out")
     resumed, uninterrupted = weights(checkpoint), weights(submit_sh_runs["2x1"]["checkpoint"])
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bit for bit, same layout
 

@@ -13,7 +13,8 @@ from conftest import REPO, STEPS
 # of consecutive steps that must hold it byte for byte. A new step-specific change belongs in this table.
 ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "SET_BY_06", "check_submission_flags",
          "load_datasets", "Net", "METRIC", "loss_and_metric", "make_optimizer", "get_lr",
-         "STOP_SIGNALS", "REQUEUE_EXIT_CODE", "STOP_CHECK_SECONDS", "noted_stop_signals", "catch_stop_signals",
+         "STOP_SIGNALS", "REQUEUE_EXIT_CODE", "STOP_CHECK_SECONDS", "MAX_STALLED_RUNS",
+         "noted_stop_signals", "catch_stop_signals",
          "stop_signal_received", "max_over_ranks", "ResumableSampler", "start_progress", "save_inside_epoch",
          "make_loaders", "train_step", "train_one_epoch", "evaluate", "save_checkpoint", "load_checkpoint",
          "exit_with_error", "setup", "train", "run", "make_executor", "main",
@@ -41,6 +42,7 @@ SHARED = {
     "STOP_SIGNALS": ["05 06"],
     "REQUEUE_EXIT_CODE": ["05 06"],
     "STOP_CHECK_SECONDS": ["05 06"],
+    "MAX_STALLED_RUNS": ["05 06"],
     "noted_stop_signals": ["05 06"],
     "catch_stop_signals": ["05 06"],
     "stop_signal_received": ["05 06"],
