@@ -240,9 +240,13 @@ def load_checkpoint(path, checkpointed):
     copied at most once, onto this process's device (on a CPU, the optimizer keeps some mapped)."""
     if not os.path.exists(path):
         return None
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    for name, obj in checkpointed.items():
-        obj.load_state_dict(state.pop(name))  # onto this process's device, whatever the saver's
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        for name, obj in checkpointed.items():
+            obj.load_state_dict(state.pop(name))  # onto this process's device, from any saver's
+    except Exception as error:  # a copy cut short, another script's file: one line, no traceback
+        sys.exit(f"error: cannot resume from {path} (cut short, or not this model's): "
+                 f"{type(error).__name__}: {' '.join(str(error).split())}")
     return state  # what is left: the progress
 
 

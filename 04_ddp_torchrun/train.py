@@ -265,15 +265,19 @@ def save_checkpoint(path, checkpointed, progress):
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
 
 
-def load_checkpoint(path, checkpointed):
+def load_checkpoint(path, checkpointed, is_main):
     """Restores each object of checkpointed from path; returns the progress saved with them
     ({"epoch": ...}), or None where path does not exist. The file is mapped, not read: a tensor is
     copied at most once, onto this process's device (on a CPU, the optimizer keeps some mapped)."""
     if not os.path.exists(path):
         return None
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    for name, obj in checkpointed.items():
-        obj.load_state_dict(state.pop(name))  # onto this process's device, whatever the saver's
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        for name, obj in checkpointed.items():
+            obj.load_state_dict(state.pop(name))  # onto this process's device, from any saver's
+    except Exception as error:  # a copy cut short, another script's file: one line, no traceback
+        exit_with_error(f"cannot resume from {path} (cut short, or not this model's): "
+                        f"{type(error).__name__}: {' '.join(str(error).split())}", is_main)
     return state  # what is left: the progress
 
 
@@ -315,7 +319,7 @@ def train(args, rank, world_size, device, gloo_group):
     peak_lrs = [group["lr"] for group in optimizer.param_groups]  # this run's, not a checkpoint's
     # What a checkpoint holds and a resume restores, by name: add yours (01's page: an EMA).
     checkpointed = {"model": model, "optimizer": optimizer}
-    progress = load_checkpoint(args.checkpoint, checkpointed) if args.checkpoint else None
+    progress = load_checkpoint(args.checkpoint, checkpointed, is_main) if args.checkpoint else None
     check_same_checkpoint(args.checkpoint, progress, gloo_group)  # DDP: a site check (the end)
     start_epoch = progress["epoch"] if progress else 0
     if progress and progress.get("step"):  # saved inside an epoch by 05 or 06

@@ -37,7 +37,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypat
     assert torch.equal(state["model"]["fc2.bias"], saved_bias) and not torch.equal(model.fc2.bias, saved_bias)
 
 
-@pytest.mark.parametrize("step", ["01_single_gpu", "03_ddp_mpspawn"])  # load_checkpoint, the same in every step
+@pytest.mark.parametrize("step", ["01_single_gpu", "03_ddp_mpspawn"])  # the two versions of load_checkpoint
 def test_loading_keeps_nothing_of_the_checkpoint(tmp_path, monkeypatch, step):
     """load_checkpoint fills the model and the optimizer and returns where the checkpoint left off, and nothing of
     what it read outlives it: a caller that keeps the returned value for the whole run keeps no tensor."""
@@ -56,7 +56,8 @@ def test_loading_keeps_nothing_of_the_checkpoint(tmp_path, monkeypatch, step):
         state := load(*args, **kwargs), read.extend(weakref.ref(t) for t in state["model"].values()))[0])
     fresh = module.Net()
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.01, momentum=0.9)
-    progress = module.load_checkpoint(path, {"model": fresh, "optimizer": fresh_optimizer})
+    progress = module.load_checkpoint(path, {"model": fresh, "optimizer": fresh_optimizer},
+                                      *([True] if step >= "03" else []))  # is_main, from 03 on
     gc.collect()
     assert progress == {"epoch": 1}, sorted(progress)
     assert read and all(ref() is None for ref in read), "a tensor of the checkpoint is still alive"
@@ -144,3 +145,41 @@ def test_ranks_that_found_different_files_at_the_same_step_stop(monkeypatch):
                                   "rank 0 (epoch, step): (1, 5), rank 0 (1, 5): start again once every node sees "
                                   "rank 0's file")
     module.check_same_checkpoint("ckpt.pt", dict(rank0), None)  # the same: no exit
+
+
+def not_a_checkpoint(kind, path):
+    """A file at path that a resume cannot use: a copy cut short, random bytes, another script's state_dict, or a
+    checkpoint of another model."""
+    if kind == "2 bytes":
+        path.write_bytes(b"PK")
+    elif kind == "random bytes":
+        path.write_bytes(torch.randint(0, 256, (1000,), generator=torch.Generator().manual_seed(0),
+                                       dtype=torch.uint8).numpy().tobytes())
+    elif kind == "another script's":
+        torch.save({"weight": torch.zeros(3)}, path)
+    else:  # another model's
+        torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "optimizer": {}, "epoch": 1}, path)
+
+
+@pytest.mark.parametrize("kind", ["2 bytes", "random bytes", "another script's", "another model's"])
+@pytest.mark.parametrize("step", ["01_single_gpu", "02_dataparallel", "03_ddp_mpspawn", "04_ddp_torchrun",
+                                  "05_ddp_slurm", "06_ddp_submitit"])
+def test_a_checkpoint_that_cannot_be_read_ends_with_one_line(tmp_path, capsys, step, kind):
+    """A resume from a file that is no checkpoint of this model ends with one line naming the file and torch's
+    reason (from 03 on, rank 0's alone; every rank exits 1): it was torch's traceback on every rank, whose last line
+    blamed mmap ("mmap can only be used with files saved with ...") or a missing key."""
+    module = load_step_module(step)
+    path = tmp_path / "ckpt.pt"
+    not_a_checkpoint(kind, path)
+    model = module.Net()
+    checkpointed = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.01)}
+    ranks = [True, False] if step >= "03" else [None]  # is_main of rank 0 and rank 1
+    for is_main in ranks:
+        with pytest.raises(SystemExit) as exited:
+            module.load_checkpoint(str(path), checkpointed, *([] if is_main is None else [is_main]))
+        message = exited.value.code if is_main is None else capsys.readouterr().err
+        if is_main is False:
+            assert exited.value.code == 1 and message == "", message
+            continue
+        prefix = f"error: cannot resume from {path} (cut short, or not this model's): "
+        assert message.startswith(prefix) and message.count("\n") <= 1, message

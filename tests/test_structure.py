@@ -33,7 +33,7 @@ SHARED = {
     "train_one_epoch": ["01 02", "03 04", "05 06"],
     "evaluate": ["01 02", "03 04", "05 06"],
     "save_checkpoint": ["01 02 03 04 05 06"],
-    "load_checkpoint": ["01 02 03 04 05 06"],
+    "load_checkpoint": ["01 02", "03 04 05 06"],
     "exit_with_error": ["03 04 05 06"],
     "check_same_checkpoint": ["03 04 05 06"],
     "setup": ["03 04", "05 06"],
