@@ -244,7 +244,7 @@ def get_lr(step, steps, peak_lr, args):
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 REQUEUE_EXIT_CODE = 144  # of tasks that stopped and saved: submit.sh requeues the job
 STOP_CHECK_SECONDS = 2  # how often the ranks agree: each time, a collective waits for the GPU
-MAX_STALLED_RUNS = 3  # runs in a row stopped before any progress: then the job is not requeued
+MAX_STALLED_RUNS = 3  # time-limit stops in a row before any progress: then no requeue
 noted_stop_signals = []  # by the handler
 
 
@@ -316,8 +316,10 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
     """SLURM: rank 0 saves the model after progress["step"] steps of progress["epoch"], on a stop
     signal or (stop_signal None) every --save-every minutes. Returns the exit code for a stop."""
     is_main = dist.get_rank() == 0
+    # Runs in a row, this one too, that a time limit (SIGUSR2) stopped where they resumed: a
+    # preemption (SIGTERM) neither counts nor breaks the row: a later start may get further.
     stalled = [progress["epoch"], progress["step"]] == progress["resumed_at"]
-    stalled_runs = progress["stalled_runs"] + 1 if stalled else 0  # in a row, and this one
+    stalled_runs = progress["stalled_runs"] + (stop_signal == signal.SIGUSR2) if stalled else 0
     began = time.perf_counter()
     if args.checkpoint and is_main:
         save_checkpoint(args.checkpoint, checkpointed, progress | {"stalled_runs": stalled_runs})
@@ -338,8 +340,8 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
     else:  # a time limit that start-up and the signal's lead use up would requeue the job for ever
         exit_code = 1
         outcome = (f"{saved}, exit code 1, not requeued: {stalled_runs} runs in a row made no "
-                   "step or evaluation (a time limit below start-up + the signal's lead, or "
-                   "stops (preemptions) at each start)")
+                   "step or evaluation before the time limit's signal (a time limit below "
+                   "start-up + the signal's lead)")
     if is_main:
         print(f"stopped at {where} on {signal.Signals(stop_signal).name}: {outcome}", flush=True)
     return exit_code
@@ -730,8 +732,8 @@ def check_gpus_not_shared(device, group, is_main):
     dist.all_gather_object(every_gpu, this_gpu, group=group)  # over Gloo, before NCCL's first
     shared = [(rank, *gpu) for rank, gpu in enumerate(every_gpu) if every_gpu.count(gpu) > 1]
     if shared:
-        exit_with_error(f"tasks share a GPU (task, host, PCI domain, bus): {shared}: give each its "
-                        "own GPU", is_main)
+        exit_with_error(f"tasks share a GPU (task, host, PCI domain, bus): {shared}: give each "
+                        "its own GPU", is_main)
 
 
 def check_sample_order(path, resumed, progress):

@@ -59,5 +59,27 @@ def test_the_third_run_in_a_row_without_progress_ends_the_job(monkeypatch, capsy
     stops = [line for line in runs[-2][4].splitlines() if line.startswith("stopped")]
     assert len(stops) == 1 and re.fullmatch(
         r"stopped at epoch 2 step 0 on SIGUSR2: saved in [\d.]+ s, exit code 1, not requeued: 3 runs in a row made no "
-        r"step or evaluation \(a time limit below start-up \+ the signal's lead, or stops \(preemptions\) at each "
-        r"start\)", stops[0]), stops
+        r"step or evaluation before the time limit's signal \(a time limit below start-up \+ the signal's lead\)",
+        stops[0]), stops
+
+
+def test_preemptions_before_any_progress_do_not_end_the_job(monkeypatch, capsys, tmp_path):
+    """A scavenger partition, or a long start-up, can see a job preempted (SIGTERM) before its first step many times
+    in a row: each run is requeued, as the next start may get further. Only time-limit stops (SIGUSR2) without
+    progress count towards the stall guard; a preemption between them neither counts nor breaks the row. (When every
+    stop counted, the third preemption in a row ended the job with exit code 1.)"""
+    pending = set()
+    monkeypatch.setattr(signal, "sigpending", lambda: set(pending))  # what stop_signal_received() finds
+    checkpoint, runs = tmp_path / "ckpt.pt", []
+    stops = [signal.SIGTERM] * 4 + [signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR2]
+    for restart, stop in enumerate(stops):  # a new job, then its requeues, each stopped before its first step
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+        pending.clear()
+        pending.add(stop)
+        code, output = train_in_process("05_ddp_slurm", [*SYNTHETIC, "--batch-size", "64", "--epochs", "2",
+                                                         "--checkpoint", str(checkpoint)], capsys)
+        saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        runs.append((signal.Signals(stop).name, code, saved["stalled_runs"]))
+    assert runs == [("SIGTERM", REQUEUE_CODE, 0)] * 4 + [
+        ("SIGUSR2", REQUEUE_CODE, 1), ("SIGTERM", REQUEUE_CODE, 1), ("SIGUSR2", REQUEUE_CODE, 2),
+        ("SIGUSR2", 1, 3)], runs
