@@ -334,6 +334,10 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
         exit_code = 0
         outcome = ("no --checkpoint, so nothing is saved and the job is not requeued (it would "
                    "start over)")
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # 05 tried under torchrun (its page)
+        exit_code = REQUEUE_EXIT_CODE
+        outcome = (f"{saved}, exit code {REQUEUE_EXIT_CODE}: nothing requeues under torchrun, the "
+                   "same command resumes")
     elif stalled_runs < MAX_STALLED_RUNS:  # submit.sh requeues the job on this code
         exit_code = REQUEUE_EXIT_CODE
         outcome = f"{saved}, exit code {REQUEUE_EXIT_CODE} to be requeued"
