@@ -264,9 +264,9 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
         if is_main and args.checkpoint:
             print(f"saved at {where} (--save-every {args.save_every:g})", flush=True)
         return 0
-    if not args.checkpoint:
-        exit_code = 0
-        outcome = ("no --checkpoint, so nothing is saved and the job is not requeued (it would "
+    if not args.checkpoint:  # a run cut short, with nothing to resume: it ends as failed
+        exit_code = 1
+        outcome = ("no --checkpoint, so nothing is saved; exit code 1, not requeued (it would "
                    "start over)")
     elif "TORCHELASTIC_RUN_ID" in os.environ:  # 05 tried under torchrun (its page)
         exit_code = REQUEUE_EXIT_CODE

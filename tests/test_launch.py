@@ -395,3 +395,28 @@ def test_06_refuses_a_launch_folder_whose_module_would_stand_in_for_it(monkeypat
         module.main()
     assert refused.value.code == (f"error: {tmp_path}/train.py would be imported in the job instead of "
                                   f"{module.__file__}: launch 06 from another folder"), refused.value.code
+
+
+def test_06_a_run_cut_short_without_a_checkpoint_does_not_end_as_finished(monkeypatch, capsys):
+    """06 --local has no default --checkpoint: a stop (its time limit's SIGUSR2) at the first step saves nothing,
+    and the task exits 1 with its line, so that submitit's launcher reports a failed job instead of "job N
+    finished" and exit code 0 as after a whole run."""
+    module = load_step_module("06_ddp_submitit")
+    for name in [name for name in os.environ if name.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(sys, "argv", ["06_ddp_submitit/train.py", "--local", "--dataset", "synthetic",
+                                      "--epochs", "1", "--tasks-per-node", "1"])
+    args = module.parse_args()
+    monkeypatch.setattr(module, "catch_stop_signals", lambda: None)  # not in the test's own process
+    monkeypatch.setattr(signal, "sigpending", lambda: {signal.SIGUSR2})  # what stop_signal_received() finds
+    task = Namespace(rank=0, local_rank=0, world_size=1)
+    monkeypatch.setattr(module.submitit.helpers, "TorchDistributedEnvironment",
+                        lambda: Namespace(export=lambda **_: task))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    code = stopped(lambda: module.run(args))
+    output = capsys.readouterr().out
+    assert code == 1 and "stopped at epoch 1 step 0 on SIGUSR2: no --checkpoint, so nothing is saved" in output, (
+        code, output)

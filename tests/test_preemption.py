@@ -421,16 +421,16 @@ def test_05_a_signal_during_evaluation_stops_the_job(cluster_env, reference, tmp
 
 def test_05_without_a_checkpoint_a_stop_ends_the_run_and_asks_for_no_requeue(cluster_env, tmp_path):
     """Without --checkpoint there is nothing to resume from: SIGUSR2 (rank 1 signals itself at its 1000th
-    training sample, of 1600 in the epoch) ends the run with one line that says so and exit code 0, so that
-    submit.sh requeues nothing (a requeued job would start over)."""
+    training sample, of 1600 in the epoch) ends the run with one line that says so and exit code 1, so that
+    submit.sh requeues nothing (a requeued job would start over) and the job ends as failed, not as a whole run."""
     signal_on_rank_1 = lambda **kw: cluster_env(**kw, **(  # noqa: E731
         {"TEST_SIGNAL_AT_FETCH": "3200:1000"} if kw["SLURM_PROCID"] == "1" else {}))
     procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "1"], signal_on_rank_1, cwds=[tmp_path] * 2)
     codes, output = finish_all(procs, timeout=60)
-    assert codes == [0, 0], output
+    assert codes == [1, 1], output
     stops = [line for line in output.splitlines() if line.startswith("stopped at")]
     assert len(stops) == 1 and re.fullmatch(r"stopped at epoch 1 step \d+ on SIGUSR2: no --checkpoint, so nothing is "
-                                            r"saved and the job is not requeued \(it would start over\)", stops[0]), output
+                                            r"saved; exit code 1, not requeued \(it would start over\)", stops[0]), output
     assert "epoch 1/1 |" not in output and cluster_env.requeues() == [], output
     assert not list(tmp_path.glob("*.pt")), list(tmp_path.iterdir())
 
