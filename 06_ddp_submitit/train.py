@@ -309,6 +309,10 @@ def start_progress(args, resumed, world_size, train_samples):
     if resumed and dist.get_rank() == 0:
         print(f"resumed from {args.checkpoint} at epoch {progress['epoch'] + 1} "
               f"step {progress['step']}", flush=True)
+    elif args.checkpoint and dist.get_rank() == 0:  # a mistyped path would start over unseen
+        requeued = "requeued, but " if int(os.environ.get("SLURM_RESTART_COUNT", 0)) else ""
+        print(f"{requeued}no checkpoint at {os.path.abspath(args.checkpoint)}: starting at "
+              "epoch 1", flush=True)
     return progress
 
 
@@ -721,9 +725,6 @@ def check_launch(checkpoint, rank):
         if not os.path.isdir(folder):
             sys.exit(f"{error_prefix}: no checkpoint folder {folder}: make it before the job "
                      "(and mount it there in a container)")
-    requeued = int(os.environ.get("SLURM_RESTART_COUNT", 0))
-    if rank == 0 and requeued and not (checkpoint and os.path.exists(checkpoint)):
-        print(f"requeued, but no checkpoint at {checkpoint}: starting over", flush=True)
 
 
 def check_gpus_not_shared(device, group, is_main):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, STALE_RENDEZVOUS, child_env, free_port, load_step_module
+from conftest import REPO, STALE_RENDEZVOUS, child_env, free_port, load_step_module, train_in_process
 
 
 @pytest.mark.parametrize("step, visible, local_rank, expected", [
@@ -149,8 +149,7 @@ def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, capsys, step, gpu
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
 def test_a_missing_checkpoint_folder_and_a_requeue_that_starts_over(monkeypatch, capsys, tmp_path, step):
     """Under Slurm the checkpoint folder is not made in the task (in a container without its mount, it would be
-    made in the image's throwaway files, and every requeue would start over): one line. A requeued run that finds
-    no checkpoint says so on rank 0."""
+    made in the image's throwaway files, and every requeue would start over): one line."""
     module = load_step_module(step)
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
@@ -158,11 +157,6 @@ def test_a_missing_checkpoint_folder_and_a_requeue_that_starts_over(monkeypatch,
         module.check_launch(str(tmp_path / "missing" / "ckpt.pt"), 3)
     assert str(stopped.value) == (f"error: task 3 on {socket.gethostname()}: no checkpoint folder {tmp_path}/missing: "
                                   "make it before the job (and mount it there in a container)")
-    module.check_launch(str(tmp_path / "ckpt.pt"), 1)
-    assert capsys.readouterr().out == ""  # rank 1 says nothing
-    module.check_launch(str(tmp_path / "ckpt.pt"), 0)
-    assert capsys.readouterr().out == f"requeued, but no checkpoint at {tmp_path}/ckpt.pt: starting over\n"
-    (tmp_path / "ckpt.pt").touch()
     module.check_launch(str(tmp_path / "ckpt.pt"), 0)
     assert capsys.readouterr().out == ""
     monkeypatch.delenv("SLURM_JOB_ID")  # 06 --local: save_checkpoint makes the folder, as in 01-04
@@ -420,3 +414,18 @@ def test_06_a_run_cut_short_without_a_checkpoint_does_not_end_as_finished(monkey
     output = capsys.readouterr().out
     assert code == 1 and "stopped at epoch 1 step 0 on SIGUSR2: no --checkpoint, so nothing is saved" in output, (
         code, output)
+
+
+@pytest.mark.parametrize("restart_count, said", [("0", ""), ("1", "requeued, but ")])
+def test_05_says_where_it_starts_when_it_finds_no_checkpoint(monkeypatch, capsys, tmp_path, restart_count, said):
+    """A job that should resume and finds no file (a mistyped --checkpoint in a resubmission; a relative one under
+    salloc + torchrun, taken from another folder) says so with the absolute path it looked at, where it trained
+    from epoch 1 without a line; in a requeued job, louder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", restart_count)
+    monkeypatch.delenv("SLURM_SUBMIT_DIR", raising=False)
+    monkeypatch.setattr(signal, "sigpending", lambda: {signal.SIGUSR2})  # a stop at once: no training needed
+    code, output = train_in_process("05_ddp_slurm", ["--dataset", "synthetic", "--checkpoint", "ckpt-typo.pt"],
+                                    capsys)
+    assert code == 144 and output.splitlines()[0] == (
+        f"{said}no checkpoint at {tmp_path}/ckpt-typo.pt: starting at epoch 1"), output
