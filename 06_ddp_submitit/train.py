@@ -729,16 +729,17 @@ def check_launch(checkpoint, rank):
 
 def check_gpus_not_shared(device, group, is_main):
     """SLURM: tasks that share a GPU (--gpu-bind=map_gpu:0, MIG slices of one GPU) would fail in
-    NCCL, on every rank. Each rank's (host, PCI domain, PCI bus): under ConstrainDevices every GPU
-    index is 0, and a MIG slice has a UUID of its own."""
+    NCCL, on every rank. Each rank's host and PCI address: under ConstrainDevices every GPU index
+    is 0, and a MIG slice has a UUID of its own."""
     every_gpu = [None] * dist.get_world_size()
     properties = torch.cuda.get_device_properties(device)
-    this_gpu = (socket.gethostname(), properties.pci_domain_id, properties.pci_bus_id)
+    this_gpu = (socket.gethostname(), properties.pci_domain_id, properties.pci_bus_id,
+                properties.pci_device_id)
     dist.all_gather_object(every_gpu, this_gpu, group=group)  # over Gloo, before NCCL's first
     shared = [(rank, *gpu) for rank, gpu in enumerate(every_gpu) if every_gpu.count(gpu) > 1]
     if shared:
-        exit_with_error(f"tasks share a GPU (task, host, PCI domain, bus): {shared}: give each "
-                        "its own GPU", is_main)
+        exit_with_error(f"tasks share a GPU (task, host, PCI domain, bus, device): {shared}: "
+                        "give each its own GPU", is_main)
 
 
 def check_sample_order(path, resumed, progress):

@@ -97,19 +97,22 @@ def test_a_wrong_gpu_launch_is_refused_in_one_line(monkeypatch, tmp_path, step, 
 
 
 # The GPU (host, UUID) of each task of a job of 4 tasks on 2 nodes, as setup() gathers them after init_process_group.
-# Each task's (host, GPU UUID, PCI domain, PCI bus id), as CUDA shows its GPU; the tasks named as sharing one.
+# Each task's GPU as CUDA shows it: (host, UUID, PCI domain, bus, device); the tasks named as sharing one.
 @pytest.mark.parametrize("gpus, shared", [
-    ([("n1", "GPU-a", 0, 1), ("n1", "GPU-b", 0, 2), ("n2", "GPU-c", 0, 1), ("n2", "GPU-d", 0, 2)], None),  # one each
+    ([("n1", "GPU-a", 0, 1, 0), ("n1", "GPU-b", 0, 2, 0), ("n2", "GPU-c", 0, 1, 0), ("n2", "GPU-d", 0, 2, 0)],
+     None),  # one GPU each
+    # a cloud VM's GPUs on one bus, told apart by their device numbers (00:04.0, 00:05.0)
+    ([("n1", "GPU-a", 0, 0, 4), ("n1", "GPU-b", 0, 0, 5)], None),
+    # the same bus number in two PCI domains: two GPUs
+    ([("n1", "GPU-a", 0, 1, 0), ("n1", "GPU-b", 1, 1, 0)], None),
     # --gpu-bind=map_gpu:0 on n2 (or under ConstrainDevices, where each task's GPU is its cuda:0 and indices tell
     # nothing): tasks 2 and 3 on one GPU, which NCCL refuses with a traceback on every rank
-    ([("n1", "GPU-a", 0, 1), ("n1", "GPU-b", 0, 2), ("n2", "GPU-c", 0, 1), ("n2", "GPU-c", 0, 1)],
-     "[(2, 'n2', 0, 1), (3, 'n2', 0, 1)]"),
-    ([("n1", "GPU-a", 0, 1), ("n1", "GPU-a", 0, 1), ("n2", "GPU-c", 0, 1), ("n2", "GPU-d", 0, 2)],
-     "[(0, 'n1', 0, 1), (1, 'n1', 0, 1)]"),
-    # two MIG slices of one GPU: UUIDs of their own, one PCI bus (stood-in properties: no MIG here)
-    ([("n1", "MIG-a", 0, 1), ("n1", "MIG-b", 0, 1)], "[(0, 'n1', 0, 1), (1, 'n1', 0, 1)]"),
-    # the same bus number in two PCI domains: two GPUs
-    ([("n1", "GPU-a", 0, 1), ("n1", "GPU-b", 1, 1)], None),
+    ([("n1", "GPU-a", 0, 1, 0), ("n1", "GPU-b", 0, 2, 0), ("n2", "GPU-c", 0, 1, 0), ("n2", "GPU-c", 0, 1, 0)],
+     "[(2, 'n2', 0, 1, 0), (3, 'n2', 0, 1, 0)]"),
+    ([("n1", "GPU-a", 0, 1, 0), ("n1", "GPU-a", 0, 1, 0), ("n2", "GPU-c", 0, 1, 0), ("n2", "GPU-d", 0, 2, 0)],
+     "[(0, 'n1', 0, 1, 0), (1, 'n1', 0, 1, 0)]"),
+    # two MIG slices of one GPU: UUIDs of their own, one PCI address (stood-in properties: no MIG here)
+    ([("n1", "MIG-a", 0, 1, 0), ("n1", "MIG-b", 0, 1, 0)], "[(0, 'n1', 0, 1, 0), (1, 'n1', 0, 1, 0)]"),
 ])
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
 def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, capsys, step, gpus, shared):
@@ -125,14 +128,14 @@ def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, capsys, step, gpu
     monkeypatch.setattr(module.dist, "get_world_size", lambda group=None: len(gpus))
     monkeypatch.setenv("MASTER_ADDR", "n1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    found_by_rank = [(host, domain, bus) for host, _, domain, bus in gpus]  # what each rank sends
-    for rank, (host, uuid, domain, bus) in enumerate(gpus):
-        properties = Namespace(uuid=uuid, pci_domain_id=domain, pci_bus_id=bus, pci_device_id=0)
+    sent = [(host, *address) for host, _, *address in gpus]  # what each rank sends
+    for rank, (host, uuid, domain, bus, device) in enumerate(gpus):
+        properties = Namespace(uuid=uuid, pci_domain_id=domain, pci_bus_id=bus, pci_device_id=device)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, p=properties: p)
 
-        def all_gather_object(found, mine, group, expected=(socket.gethostname(), domain, bus)):
+        def all_gather_object(found, mine, group, expected=(socket.gethostname(), domain, bus, device)):
             assert mine == expected and group == "gloo"
-            found[:] = found_by_rank
+            found[:] = sent
         monkeypatch.setattr(module.dist, "all_gather_object", all_gather_object)
         capsys.readouterr()
         if shared is None:  # past the shared-GPU check: setup() returns, and the run goes on
@@ -143,7 +146,8 @@ def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, capsys, step, gpu
             module.setup(rank, rank % 2, len(gpus), 600)
         # Every rank exits with code 1 (exit_with_error); rank 0 alone prints the line, on stderr.
         assert exited.value.code == 1 and capsys.readouterr().err == ("" if rank else (
-            f"error: tasks share a GPU (task, host, PCI domain, bus): {shared}: give each its own GPU\n")), rank
+            f"error: tasks share a GPU (task, host, PCI domain, bus, device): {shared}: give each its own "
+            "GPU\n")), rank
 
 
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
