@@ -245,8 +245,8 @@ def load_checkpoint(path, checkpointed):
         for name, obj in checkpointed.items():
             obj.load_state_dict(state.pop(name))  # onto this process's device, from any saver's
     except Exception as error:  # a copy cut short, another script's file: one line, no traceback
-        sys.exit(f"error: cannot resume from {path} (cut short, or not this model's): "
-                 f"{type(error).__name__}: {' '.join(str(error).split())}")
+        sys.exit(f"error: cannot resume from {path}: {type(error).__name__}: "
+                 f"{' '.join(str(error).split())}")
     return state  # what is left: the progress
 
 

@@ -412,10 +412,11 @@ def save_checkpoint(path, checkpointed, progress):
     os.replace(path + ".tmp", path)  # atomic on POSIX filesystems
 
 
-def load_checkpoint(path, checkpointed, is_main):
+def load_checkpoint(path, checkpointed):
     """Restores each object of checkpointed from path; returns the progress saved with them
-    ({"epoch": ...}), or None where path does not exist. The file is mapped, not read: a tensor is
-    copied at most once, onto this process's device (on a CPU, the optimizer keeps some mapped)."""
+    ({"epoch": ...}), None where path does not exist, or {"error": why} where it cannot be used.
+    The file is mapped, not read: a tensor is copied at most once, onto this process's device (on a
+    CPU, the optimizer keeps some mapped)."""
     if not os.path.exists(path):
         return None
     try:
@@ -423,8 +424,8 @@ def load_checkpoint(path, checkpointed, is_main):
         for name, obj in checkpointed.items():
             obj.load_state_dict(state.pop(name))  # onto this process's device, from any saver's
     except Exception as error:  # a copy cut short, another script's file: one line, no traceback
-        exit_with_error(f"cannot resume from {path} (cut short, or not this model's): "
-                        f"{type(error).__name__}: {' '.join(str(error).split())}", is_main)
+        # DDP: check_same_checkpoint() has rank 0 say why, for whichever rank it was.
+        return {"error": f"{type(error).__name__}: {' '.join(str(error).split())}"}
     return state  # what is left: the progress
 
 
@@ -472,7 +473,7 @@ def train(args, rank, world_size, device, gloo_group):
     peak_lrs = [group["lr"] for group in optimizer.param_groups]  # this run's, not a checkpoint's
     # What a checkpoint holds and a resume restores, by name: add yours (01's page: an EMA).
     checkpointed = {"model": model, "optimizer": optimizer}
-    resumed = load_checkpoint(args.checkpoint, checkpointed, is_main) if args.checkpoint else None
+    resumed = load_checkpoint(args.checkpoint, checkpointed) if args.checkpoint else None
     check_same_checkpoint(args.checkpoint, resumed, gloo_group)  # DDP: a site check (the end)
     progress = start_progress(args, resumed, world_size, len(train_loader.dataset))  # SLURM
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
@@ -543,6 +544,10 @@ def check_same_checkpoint(path, resumed, group):
     line rather than train from different states."""
     every_resumed = [None] * dist.get_world_size()
     dist.all_gather_object(every_resumed, resumed, group=group)  # DDP: every rank's progress
+    failed = [rank for rank, found in enumerate(every_resumed) if found and "error" in found]
+    if failed:  # rank 0 says why the first of them could not use the file
+        exit_with_error(f"cannot resume from {path} (rank {failed[0]}): "
+                        f"{every_resumed[failed[0]]['error']}", dist.get_rank() == 0)
     if resumed != every_resumed[0]:  # the rank that differs says what it found
         found = [(p["epoch"], p.get("step", 0)) if p else "no file" for p in every_resumed]
         sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds another "

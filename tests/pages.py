@@ -86,8 +86,10 @@ def lesson_diff(a, b, old, new):
     """The diff of two train.py files down to their site checks, which are set apart at the end of
     the file so that the lesson reads without them: the page names them, and a line after the diff
     says how many changed lines it leaves to the file."""
-    def cut(lines):
+    def cut(lines):  # the blank lines before the marker go with the site checks
         marker = next((i for i, line in enumerate(lines) if line.startswith(SITE_CHECKS)), len(lines))
+        while marker < len(lines) and marker > 0 and not lines[marker - 1].strip():
+            marker -= 1
         return lines[:marker], lines[marker:]
     (old_lesson, old_checks), (new_lesson, new_checks) = cut(old), cut(new)
     lines = "".join(difflib.unified_diff(old_lesson, new_lesson, fromfile=a, tofile=b))

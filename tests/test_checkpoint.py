@@ -56,8 +56,7 @@ def test_loading_keeps_nothing_of_the_checkpoint(tmp_path, monkeypatch, step):
         state := load(*args, **kwargs), read.extend(weakref.ref(t) for t in state["model"].values()))[0])
     fresh = module.Net()
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.01, momentum=0.9)
-    progress = module.load_checkpoint(path, {"model": fresh, "optimizer": fresh_optimizer},
-                                      *([True] if step >= "03" else []))  # is_main, from 03 on
+    progress = module.load_checkpoint(path, {"model": fresh, "optimizer": fresh_optimizer})
     gc.collect()
     assert progress == {"epoch": 1}, sorted(progress)
     assert read and all(ref() is None for ref in read), "a tensor of the checkpoint is still alive"
@@ -164,22 +163,31 @@ def not_a_checkpoint(kind, path):
 @pytest.mark.parametrize("kind", ["2 bytes", "random bytes", "another script's", "another model's"])
 @pytest.mark.parametrize("step", ["01_single_gpu", "02_dataparallel", "03_ddp_mpspawn", "04_ddp_torchrun",
                                   "05_ddp_slurm", "06_ddp_submitit"])
-def test_a_checkpoint_that_cannot_be_read_ends_with_one_line(tmp_path, capsys, step, kind):
+def test_a_checkpoint_that_cannot_be_read_ends_with_one_line(monkeypatch, tmp_path, capsys, step, kind):
     """A resume from a file that is no checkpoint of this model ends with one line naming the file and torch's
-    reason (from 03 on, rank 0's alone; every rank exits 1): it was torch's traceback on every rank, whose last line
-    blamed mmap ("mmap can only be used with files saved with ...") or a missing key."""
+    reason, where it was torch's traceback on every rank, whose last line blamed mmap ("mmap can only be used with
+    files saved with ...") or a missing key. From 03 on rank 0 alone prints it, and every rank exits 1, whichever
+    rank could not use the file: here (the gather stood in for) all of them, or rank 1 alone (one node's view)."""
     module = load_step_module(step)
     path = tmp_path / "ckpt.pt"
     not_a_checkpoint(kind, path)
     model = module.Net()
     checkpointed = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.01)}
-    ranks = [True, False] if step >= "03" else [None]  # is_main of rank 0 and rank 1
-    for is_main in ranks:
+    if step < "03":
         with pytest.raises(SystemExit) as exited:
-            module.load_checkpoint(str(path), checkpointed, *([] if is_main is None else [is_main]))
-        message = exited.value.code if is_main is None else capsys.readouterr().err
-        if is_main is False:
-            assert exited.value.code == 1 and message == "", message
-            continue
-        prefix = f"error: cannot resume from {path} (cut short, or not this model's): "
-        assert message.startswith(prefix) and message.count("\n") <= 1, message
+            module.load_checkpoint(str(path), checkpointed)
+        assert re.fullmatch(rf"error: cannot resume from {path}: \w+: [^\n]+", exited.value.code), exited.value.code
+        return
+    failed = module.load_checkpoint(str(path), checkpointed)
+    assert list(failed) == ["error"], failed
+    monkeypatch.setattr(module.dist, "get_world_size", lambda: 2)
+    for rank0, rank1, named in [(failed, failed, 0), ({"epoch": 1}, failed, 1)]:
+        for rank in (0, 1):
+            monkeypatch.setattr(module.dist, "get_rank", lambda rank=rank: rank)
+            monkeypatch.setattr(module.dist, "all_gather_object",
+                                lambda out, obj, group: out.__setitem__(slice(None), [rank0, rank1]))
+            with pytest.raises(SystemExit) as exited:
+                module.check_same_checkpoint(str(path), [rank0, rank1][rank], None)
+            printed = capsys.readouterr().err
+            assert exited.value.code == 1 and printed == ("" if rank else (
+                f"error: cannot resume from {path} (rank {named}): {failed['error']}\n")), (rank, printed)

@@ -131,7 +131,7 @@ def test_a_users_stateful_object_is_not_in_the_position_the_ranks_compare(counte
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         progress = module.load_checkpoint(str(counted.mid_epoch), {"model": model, "optimizer": optimizer,
-                                                                   "steps": counter}, True)
+                                                                   "steps": counter})
         module.check_same_checkpoint(str(counted.mid_epoch), progress, None)
     finally:
         dist.destroy_process_group()
