@@ -436,9 +436,9 @@ def exit_with_error(message, is_main):
     sys.exit(1)
 
 
-def setup(rank, local_rank, world_size, timeout, store=None):
-    """DDP: picks this process's device and joins the process group (at store, or at
-    MASTER_ADDR:MASTER_PORT); returns the device and a Gloo group for waiting on rank 0."""
+def setup(rank, local_rank, world_size, timeout):
+    """DDP: picks this process's device and joins the process group at MASTER_ADDR:MASTER_PORT;
+    returns the device and a Gloo group for waiting on rank 0."""
     if torch.cuda.is_available():
         # SLURM: its local rank's GPU of the node's, or where the site binds one GPU to each
         # task, its own, as cuda:0.
@@ -449,7 +449,7 @@ def setup(rank, local_rank, world_size, timeout, store=None):
         device, backend = torch.device("cpu"), "gloo"
     # DDP: a collective fails after timeout seconds without every rank; the launcher then ends
     # the others.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
     print(f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} "
           f"pid {os.getpid()} device {device} backend {backend} "

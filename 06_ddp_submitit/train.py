@@ -124,13 +124,13 @@ def sbatch_option(text):
     return key.replace("_", "-"), value if equals else True
 
 
-# submitit: the sbatch options that 06 sets from its own flags: a --sbatch line would be lost, or
-# disagree with srun's.
-SET_BY_06 = {"nodes": "--nodes", "ntasks-per-node": "--tasks-per-node",
-             "gpus-per-node": "--gpus-per-node", "cpus-per-task": "--cpus-per-task",
-             "time": "--timeout-min", "output": "--log-dir", "error": "--log-dir",
-             "open-mode": "--log-dir", "signal": "none (06 needs its own)",
-             "requeue": "none (06 needs its own)", "job-name": "none (06 needs its own)"}
+# submitit: the sbatch options that 06 sets itself (and where from): a --sbatch line would be
+# lost, or disagree with srun's.
+SET_BY_06 = {"nodes": "from --nodes", "ntasks-per-node": "from --tasks-per-node",
+             "gpus-per-node": "from --gpus-per-node", "cpus-per-task": "from --cpus-per-task",
+             "time": "from --timeout-min", "output": "in --log-dir", "error": "in --log-dir",
+             "open-mode": "for its logs", "signal": "for its stop", "requeue": "for its stop",
+             "job-name": "as ddp-submitit"}
 
 
 def check_submission_flags(parser, args):
@@ -141,7 +141,7 @@ def check_submission_flags(parser, args):
         parser.error("--local runs on 1 node")
     for key, _ in args.sbatch:
         if key in SET_BY_06:
-            parser.error(f"--sbatch {key}: 06 sets it from its own flag: {SET_BY_06[key]}")
+            parser.error(f"--sbatch {key}: 06 sets it itself, {SET_BY_06[key]}")
     # submitit: the launcher often runs on a login node, whose GPUs (none) say nothing of the
     # compute nodes'.
     if args.gpus_per_node is None and not args.local and submitit.AutoExecutor.which() == "slurm":
@@ -502,9 +502,9 @@ def exit_with_error(message, is_main):
     sys.exit(1)
 
 
-def setup(rank, local_rank, world_size, timeout, store=None):
-    """DDP: picks this process's device and joins the process group (at store, or at
-    MASTER_ADDR:MASTER_PORT); returns the device and a Gloo group for waiting on rank 0."""
+def setup(rank, local_rank, world_size, timeout):
+    """DDP: picks this process's device and joins the process group at MASTER_ADDR:MASTER_PORT;
+    returns the device and a Gloo group for waiting on rank 0."""
     if torch.cuda.is_available():
         # SLURM: its local rank's GPU of the node's, or where the site binds one GPU to each
         # task, its own, as cuda:0.
@@ -515,7 +515,7 @@ def setup(rank, local_rank, world_size, timeout, store=None):
         device, backend = torch.device("cpu"), "gloo"
     # DDP: a collective fails after timeout seconds without every rank; the launcher then ends
     # the others.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
     print(f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} "
           f"pid {os.getpid()} device {device} backend {backend} "

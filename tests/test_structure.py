@@ -36,7 +36,7 @@ SHARED = {
     "load_checkpoint": ["01 02", "03 04 05 06"],
     "exit_with_error": ["03 04 05 06"],
     "check_same_checkpoint": ["03 04 05 06"],
-    "setup": ["03 04", "05 06"],
+    "setup": ["05 06"],
     "train": ["03 04", "05 06"],
     "make_loaders": ["01 02", "03 04", "05 06"],
     "STOP_SIGNALS": ["05 06"],
