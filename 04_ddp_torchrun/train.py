@@ -153,15 +153,15 @@ def make_optimizer(model, args):
     return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
-def get_lr(step, steps, peak_lr, args):
-    """The learning rate of optimizer step `step` (from 0) of the run's `steps`, for a parameter
-    group whose rate in make_optimizer is peak_lr."""
-    warmup_steps = args.warmup * steps  # 0 without --warmup
+def get_lr(step, total_steps, peak_lr, args):
+    """The learning rate of optimizer step `step` (from 0) of the run's `total_steps`, for a
+    parameter group whose rate in make_optimizer is peak_lr."""
+    warmup_steps = args.warmup * total_steps  # 0 without --warmup
     if step < warmup_steps:  # rises linearly
         return peak_lr * ((step + 1) / (warmup_steps + 1))
     if not args.cosine:  # then stays
         return peak_lr
-    decay_fraction = min(1, (step - warmup_steps) / (steps - warmup_steps))  # or falls to 0
+    decay_fraction = min(1, (step - warmup_steps) / (total_steps - warmup_steps))  # or to 0
     return peak_lr * ((1 + math.cos(math.pi * decay_fraction)) / 2)
 
 
@@ -212,8 +212,8 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
     logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
     batches = iter(loader)  # draws the workers' seeds: from train()'s seeding, not a step's
-    steps = math.ceil(len(loader) / args.accumulate)  # optimizer steps of the epoch
-    for step in range(steps):
+    steps_per_epoch = math.ceil(len(loader) / args.accumulate)  # optimizer steps
+    for step in range(steps_per_epoch):
         # Dropout and other draws here as if the run was never stopped: seeded by the step (the
         # data-loader workers' draws are not: 01's page).
         # Not torch.manual_seed, which seeds every kind of device: 0.1 ms a call.
@@ -222,7 +222,8 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
         if device.type == "cuda":
             torch.cuda.manual_seed_all(seed)  # every GPU's generator (02's replicas use them all)
         for group, peak_lr in zip(optimizer.param_groups, peak_lrs):
-            group["lr"] = get_lr(epoch * steps + step, args.epochs * steps, peak_lr, args)
+            group["lr"] = get_lr(epoch * steps_per_epoch + step, args.epochs * steps_per_epoch,
+                                 peak_lr, args)
         # The epoch's last step may have fewer micro-batches.
         micro_batches = min(args.accumulate, len(loader) - step * args.accumulate)
         train_step(args, model, batches, micro_batches, optimizer, device, sums)
@@ -232,9 +233,10 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
             loss_sum, count, samples = (sums - logged_sums).tolist()
             now = time.perf_counter()
             # DDP: every rank trains as many samples.
-            print(f"epoch {epoch + 1} step {step + 1}/{steps} | loss {loss_sum / count:.4f} "
-                  f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} "
-                  "samples/s", flush=True)
+            print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} | "
+                  f"loss {loss_sum / count:.4f} (rank 0) | "
+                  f"{samples * dist.get_world_size() / (now - logged_at):.0f} samples/s",
+                  flush=True)
             logged_sums, logged_at = sums.clone(), now
     dist.all_reduce(sums)  # DDP: sum over ranks, so that rank 0 reports the global mean loss
     return (sums[0] / sums[1]).item(), int(sums[2])

@@ -153,15 +153,15 @@ def make_optimizer(model, args):
     return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
-def get_lr(step, steps, peak_lr, args):
-    """The learning rate of optimizer step `step` (from 0) of the run's `steps`, for a parameter
-    group whose rate in make_optimizer is peak_lr."""
-    warmup_steps = args.warmup * steps  # 0 without --warmup
+def get_lr(step, total_steps, peak_lr, args):
+    """The learning rate of optimizer step `step` (from 0) of the run's `total_steps`, for a
+    parameter group whose rate in make_optimizer is peak_lr."""
+    warmup_steps = args.warmup * total_steps  # 0 without --warmup
     if step < warmup_steps:  # rises linearly
         return peak_lr * ((step + 1) / (warmup_steps + 1))
     if not args.cosine:  # then stays
         return peak_lr
-    decay_fraction = min(1, (step - warmup_steps) / (steps - warmup_steps))  # or falls to 0
+    decay_fraction = min(1, (step - warmup_steps) / (total_steps - warmup_steps))  # or to 0
     return peak_lr * ((1 + math.cos(math.pi * decay_fraction)) / 2)
 
 
@@ -188,15 +188,16 @@ def catch_stop_signals():
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: noted_stop_signals.append(signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    # The resource tracker unblocks SIGTERM where it starts (here), so it is blocked again.
+    # The resource tracker, started later by a data-loader worker, would unblock SIGTERM unseen:
+    # started here, it is blocked again after it.
     multiprocessing.resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 def stop_signal_received():
-    """SLURM: the first stop signal this process received, or 0. Where it is blocked (the main
-    thread and what it starts), it waits in sigpending(); a thread without the block runs the
-    handler, which notes it."""
+    """SLURM: a stop signal this process received (SIGTERM where both are), or 0. Blocked, as in
+    the main thread and what it starts, a signal waits in sigpending(); one that reaches a thread
+    without the block is noted by the handler."""
     if noted_stop_signals:
         return noted_stop_signals[0]
     return max(signal.sigpending() & set(STOP_SIGNALS), default=0)
@@ -257,7 +258,9 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
     # Runs in a row, this one too, that a time limit (SIGUSR2) stopped where they resumed: a
     # preemption (SIGTERM) neither counts nor breaks the row: a later start may get further.
     stalled = [progress["epoch"], progress["step"]] == progress["resumed_at"]
-    stalled_runs = progress["stalled_runs"] + (stop_signal == signal.SIGUSR2) if stalled else 0
+    stalled_runs = progress["stalled_runs"] if stalled else 0
+    if stalled and stop_signal == signal.SIGUSR2:
+        stalled_runs += 1
     began = time.perf_counter()
     if args.checkpoint and is_main:
         save_checkpoint(args.checkpoint, checkpointed, progress | {"stalled_runs": stalled_runs})
@@ -338,10 +341,10 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
     logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
     batches = iter(loader)  # draws the workers' seeds: from train()'s seeding, not a step's
-    steps = math.ceil(len(loader) / args.accumulate)  # optimizer steps of the epoch
+    steps_per_epoch = math.ceil(len(loader) / args.accumulate)  # optimizer steps
     next_check, steps_between_checks = progress["step"], 1  # SLURM: when the ranks agree
     started = last_check = time.monotonic()
-    for step in range(progress["step"], steps):
+    for step in range(progress["step"], steps_per_epoch):
         if step == next_check:  # SLURM: as many steps apart as take STOP_CHECK_SECONDS
             now = time.monotonic()
             stop_signal, since_check, running = max_over_ranks(
@@ -363,7 +366,8 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
         if device.type == "cuda":
             torch.cuda.manual_seed_all(seed)  # every GPU's generator (02's replicas use them all)
         for group, peak_lr in zip(optimizer.param_groups, peak_lrs):
-            group["lr"] = get_lr(epoch * steps + step, args.epochs * steps, peak_lr, args)
+            group["lr"] = get_lr(epoch * steps_per_epoch + step, args.epochs * steps_per_epoch,
+                                 peak_lr, args)
         # The epoch's last step may have fewer micro-batches.
         micro_batches = min(args.accumulate, len(loader) - step * args.accumulate)
         train_step(args, model, batches, micro_batches, optimizer, device, sums)
@@ -374,9 +378,10 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
             loss_sum, count, samples = (sums - logged_sums).tolist()
             now = time.perf_counter()
             # DDP: every rank trains as many samples.
-            print(f"epoch {epoch + 1} step {step + 1}/{steps} | loss {loss_sum / count:.4f} "
-                  f"(rank 0) | {samples * dist.get_world_size() / (now - logged_at):.0f} "
-                  "samples/s", flush=True)
+            print(f"epoch {epoch + 1} step {step + 1}/{steps_per_epoch} | "
+                  f"loss {loss_sum / count:.4f} (rank 0) | "
+                  f"{samples * dist.get_world_size() / (now - logged_at):.0f} samples/s",
+                  flush=True)
             logged_sums, logged_at = sums.clone(), now
     dist.all_reduce(sums)  # DDP: sum over ranks, so that rank 0 reports the global mean loss
     progress["loss_sum"] += sums[0].item()
@@ -601,8 +606,8 @@ def check_launch(checkpoint, rank):
 
 def check_gpus_not_shared(device, group, is_main):
     """SLURM: tasks that share a GPU (--gpu-bind=map_gpu:0, MIG slices of one GPU) would fail in
-    NCCL, on every rank. Each rank's host and PCI address: under ConstrainDevices every GPU index
-    is 0, and a MIG slice has a UUID of its own."""
+    NCCL, on every rank. Compared by host and PCI address, not by CUDA index (0 in every task
+    under ConstrainDevices) nor by UUID (each MIG slice has its own)."""
     every_gpu = [None] * dist.get_world_size()
     properties = torch.cuda.get_device_properties(device)
     this_gpu = (socket.gethostname(), properties.pci_domain_id, properties.pci_bus_id,
