@@ -89,7 +89,9 @@ install_packages() {
 # Starts "$@" detached in its own session, records its PID under a name and waits for nothing.
 spawn() {
   local name=$1; shift
-  setsid "$@" >>"$STATE/log/$name.out" 2>&1 </dev/null &
+  # From /, so that a daemon (and the job steps it starts) holds no folder of the caller's: a clone deleted
+  # while the cluster runs would put "Unable to get current working directory" into every job's log.
+  (cd / && exec setsid "$@" >>"$STATE/log/$name.out" 2>&1 </dev/null) &
   echo "$!" >"$STATE/pids/$name"
 }
 
