@@ -390,12 +390,13 @@ def check_same_checkpoint(path, resumed, group):
     if failed:  # rank 0 says why the first of them could not use the file
         exit_with_error(f"cannot resume from {path} (rank {failed[0]}): "
                         f"{every_resumed[failed[0]]['error']}", dist.get_rank() == 0)
-    if resumed != every_resumed[0]:  # the rank that differs says what it found
+    # Compared as text: a NaN loss sum is not equal to itself.
+    if repr(resumed) != repr(every_resumed[0]):  # the rank that differs says what it found
         found = [(p["epoch"], p.get("step", 0)) if p else "no file" for p in every_resumed]
         sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds another "
                  f"checkpoint at {path} than rank 0 (epoch, step): {found[dist.get_rank()]}, "
                  f"rank 0 {found[0]}: start again once every node sees rank 0's file")
-    if any(other != resumed for other in every_resumed):
+    if any(repr(other) != repr(resumed) for other in every_resumed):
         sys.exit(1)
 
 

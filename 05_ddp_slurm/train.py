@@ -83,9 +83,13 @@ def parse_args():
     if not args.collective_timeout > 0:
         parser.error("--collective-timeout must be above 0 seconds")
     # SLURM: a relative --checkpoint is the submit folder's, not the working folder's (in a
-    # container, one that is thrown away). check_launch() refuses a folder missing there (srun).
+    # container, one that is thrown away). The folder must be there: else the file is lost too.
     if args.checkpoint and "SLURM_SUBMIT_DIR" in os.environ:
         args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint)
+        if not os.path.isdir(os.path.dirname(args.checkpoint)):
+            parser.error(f"no checkpoint folder {os.path.dirname(args.checkpoint)} on "
+                         f"{socket.gethostname()}: make it before the job (submit.sh does), and "
+                         "mount it there in a container")
     return args
 
 
@@ -195,11 +199,11 @@ def catch_stop_signals():
 
 
 def stop_signal_received():
-    """SLURM: a stop signal this process received (SIGTERM where both are), or 0. Blocked, as in
+    """SLURM: the stop signal this process received (SIGTERM where both), or 0. Blocked, as in
     the main thread and what it starts, a signal waits in sigpending(); one that reaches a thread
     without the block is noted by the handler."""
     if noted_stop_signals:
-        return noted_stop_signals[0]
+        return max(noted_stop_signals)
     return max(signal.sigpending() & set(STOP_SIGNALS), default=0)
 
 
@@ -255,8 +259,8 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
     """SLURM: rank 0 saves the model after progress["step"] steps of progress["epoch"], on a stop
     signal or (stop_signal None) every --save-every minutes. Returns the exit code for a stop."""
     is_main = dist.get_rank() == 0
-    # Runs in a row, this one too, that a time limit (SIGUSR2) stopped where they resumed: a
-    # preemption (SIGTERM) neither counts nor breaks the row: a later start may get further.
+    # Counts the runs in a row, this one included, that SIGUSR2 (the time limit) stopped where they
+    # resumed. A SIGTERM (a preemption) there keeps the count: a later start may get further.
     stalled = [progress["epoch"], progress["step"]] == progress["resumed_at"]
     stalled_runs = progress["stalled_runs"] if stalled else 0
     if stalled and stop_signal == signal.SIGUSR2:
@@ -553,12 +557,13 @@ def check_same_checkpoint(path, resumed, group):
     if failed:  # rank 0 says why the first of them could not use the file
         exit_with_error(f"cannot resume from {path} (rank {failed[0]}): "
                         f"{every_resumed[failed[0]]['error']}", dist.get_rank() == 0)
-    if resumed != every_resumed[0]:  # the rank that differs says what it found
+    # Compared as text: a NaN loss sum is not equal to itself.
+    if repr(resumed) != repr(every_resumed[0]):  # the rank that differs says what it found
         found = [(p["epoch"], p.get("step", 0)) if p else "no file" for p in every_resumed]
         sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds another "
                  f"checkpoint at {path} than rank 0 (epoch, step): {found[dist.get_rank()]}, "
                  f"rank 0 {found[0]}: start again once every node sees rank 0's file")
-    if any(other != resumed for other in every_resumed):
+    if any(repr(other) != repr(resumed) for other in every_resumed):
         sys.exit(1)
 
 

@@ -78,7 +78,7 @@ def parse_args():
     add_submission_flags(parser)  # submitit: the job's shape and the site's options
     args = parser.parse_args()
     if args.workers is None:  # submitit: half of the cores; the other half for the threads
-        args.workers = max(0, args.cpus_per_task // 2)  # check_submission_flags checks the cores
+        args.workers = max(0, args.cpus_per_task // 2)
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1, workers=0,
                     log_interval=0, clip_grad=0, save_every=0)
     for flag, minimum in minimums.items():
@@ -261,11 +261,11 @@ def catch_stop_signals():
 
 
 def stop_signal_received():
-    """SLURM: a stop signal this process received (SIGTERM where both are), or 0. Blocked, as in
+    """SLURM: the stop signal this process received (SIGTERM where both), or 0. Blocked, as in
     the main thread and what it starts, a signal waits in sigpending(); one that reaches a thread
     without the block is noted by the handler."""
     if noted_stop_signals:
-        return noted_stop_signals[0]
+        return max(noted_stop_signals)
     return max(signal.sigpending() & set(STOP_SIGNALS), default=0)
 
 
@@ -321,8 +321,8 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
     """SLURM: rank 0 saves the model after progress["step"] steps of progress["epoch"], on a stop
     signal or (stop_signal None) every --save-every minutes. Returns the exit code for a stop."""
     is_main = dist.get_rank() == 0
-    # Runs in a row, this one too, that a time limit (SIGUSR2) stopped where they resumed: a
-    # preemption (SIGTERM) neither counts nor breaks the row: a later start may get further.
+    # Counts the runs in a row, this one included, that SIGUSR2 (the time limit) stopped where they
+    # resumed. A SIGTERM (a preemption) there keeps the count: a later start may get further.
     stalled = [progress["epoch"], progress["step"]] == progress["resumed_at"]
     stalled_runs = progress["stalled_runs"] if stalled else 0
     if stalled and stop_signal == signal.SIGUSR2:
@@ -662,7 +662,7 @@ def main():
     # submitit: the job starts in the launch folder, where Python looks before the PYTHONPATH.
     if os.path.exists(f"{name}.py") and not os.path.samefile(f"{name}.py", __file__):
         sys.exit(f"error: {os.path.abspath(name + '.py')} would be imported in the job instead of "
-                 f"{os.path.abspath(__file__)}: launch 06 from another folder")
+                 f"{os.path.abspath(__file__)}: launch from another folder, or rename this file")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     job = executor.submit(importlib.import_module(name).run, args)
     checkpoint = args.checkpoint or "none"
@@ -687,12 +687,13 @@ def check_same_checkpoint(path, resumed, group):
     if failed:  # rank 0 says why the first of them could not use the file
         exit_with_error(f"cannot resume from {path} (rank {failed[0]}): "
                         f"{every_resumed[failed[0]]['error']}", dist.get_rank() == 0)
-    if resumed != every_resumed[0]:  # the rank that differs says what it found
+    # Compared as text: a NaN loss sum is not equal to itself.
+    if repr(resumed) != repr(every_resumed[0]):  # the rank that differs says what it found
         found = [(p["epoch"], p.get("step", 0)) if p else "no file" for p in every_resumed]
         sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds another "
                  f"checkpoint at {path} than rank 0 (epoch, step): {found[dist.get_rank()]}, "
                  f"rank 0 {found[0]}: start again once every node sees rank 0's file")
-    if any(other != resumed for other in every_resumed):
+    if any(repr(other) != repr(resumed) for other in every_resumed):
         sys.exit(1)
 
 

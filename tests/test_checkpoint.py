@@ -1,6 +1,7 @@
 """Checkpoints are written atomically (a crash in the middle of a write leaves the previous one whole), and read
 without keeping anything of them, at most one copy of the state in memory per rank."""
 import gc
+import pickle
 import re
 import socket
 import sys
@@ -9,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import child_env, load_step_module, run
+from conftest import child_env, load_step_module, run, train_in_process
 
 
 @pytest.mark.parametrize("step", ["01_single_gpu", "05_ddp_slurm"])  # the two versions of save_checkpoint
@@ -128,7 +129,8 @@ def test_a_resume_holds_at_most_one_copy_of_the_state(tmp_path):
 
 def test_ranks_that_found_different_files_at_the_same_step_stop(monkeypatch):
     """check_same_checkpoint compares all that a rank loaded besides the weights, not only (epoch, step): two
-    files at one step (a fixed --checkpoint reused by two runs, one node's stale view) differ in their loss sums,
+    files saved inside an epoch at one step (a fixed --checkpoint reused by two runs, one node's stale view; two
+    end-of-epoch files of one epoch hold the same progress and pass) differ in their loss sums,
     and the ranks would train from different optimizer states (DDP broadcasts the weights only). The gather is
     stood in for: rank 1 found one file, rank 0 another."""
     module = load_step_module("05_ddp_slurm")
@@ -191,3 +193,28 @@ def test_a_checkpoint_that_cannot_be_read_ends_with_one_line(monkeypatch, tmp_pa
             printed = capsys.readouterr().err
             assert exited.value.code == 1 and printed == ("" if rank else (
                 f"error: cannot resume from {path} (rank {named}): {failed['error']}\n")), (rank, printed)
+
+
+def test_05_resumed_from_a_file_it_cannot_read_ends_with_one_line(tmp_path, capsys):
+    """The whole path in train(): 05 given a checkpoint cut short exits 1 with rank 0's one line and no traceback,
+    before any training."""
+    path = tmp_path / "ckpt.pt"
+    not_a_checkpoint("random bytes", path)
+    code, output = train_in_process("05_ddp_slurm", ["--dataset", "synthetic", "--checkpoint", str(path)], capsys)
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert code == 1 and len(errors) == 1 and errors[0].startswith(f"error: cannot resume from {path} (rank 0): "), (
+        output)
+    assert "Traceback" not in output and "epoch 1" not in output, output
+
+
+def test_a_nan_loss_sum_in_the_checkpoint_is_the_same_checkpoint(monkeypatch):
+    """A run whose loss turned NaN saved loss_sum = nan: every rank loads the same file, and the comparison of the
+    ranks' progress must not call it another file (nan != nan: every rank would stop, blaming storage)."""
+    module = load_step_module("05_ddp_slurm")
+    rank0 = {"epoch": 1, "step": 5, "loss_sum": float("nan"), "count": 320.0}
+    monkeypatch.setattr(module.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(module.dist, "get_rank", lambda: 1)
+    # The gather unpickles each rank's progress: every NaN a float object of its own (equal objects would pass).
+    monkeypatch.setattr(module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(
+        slice(None), [pickle.loads(pickle.dumps(rank0)), pickle.loads(pickle.dumps(obj))]))
+    module.check_same_checkpoint("ckpt.pt", pickle.loads(pickle.dumps(rank0)), None)  # no exit

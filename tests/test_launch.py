@@ -151,7 +151,7 @@ def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, capsys, step, gpu
 
 
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
-def test_a_missing_checkpoint_folder_and_a_requeue_that_starts_over(monkeypatch, capsys, tmp_path, step):
+def test_a_missing_checkpoint_folder_is_refused_in_one_line(monkeypatch, capsys, tmp_path, step):
     """Under Slurm the checkpoint folder is not made in the task (in a container without its mount, it would be
     made in the image's throwaway files, and every requeue would start over): one line."""
     module = load_step_module(step)
@@ -392,10 +392,14 @@ def test_06_refuses_a_launch_folder_whose_module_would_stand_in_for_it(monkeypat
     with pytest.raises(SystemExit) as refused:
         module.main()
     assert refused.value.code == (f"error: {tmp_path}/train.py would be imported in the job instead of "
-                                  f"{module.__file__}: launch 06 from another folder"), refused.value.code
+                                  f"{module.__file__}: launch from another folder, or rename this file"), (
+        refused.value.code)
+    monkeypatch.chdir(REPO / "06_ddp_submitit")  # the train.py there is 06's own: it goes on and submits
+    with pytest.raises(Submitted):
+        module.main()
 
 
-def test_06_a_run_cut_short_without_a_checkpoint_does_not_end_as_finished(monkeypatch, capsys):
+def test_06_a_run_cut_short_without_a_checkpoint_exits_1(monkeypatch, capsys):
     """06 --local has no default --checkpoint: a stop (its time limit's SIGUSR2) at the first step saves nothing,
     and the task exits 1 with its line, so that submitit's launcher reports a failed job instead of "job N
     finished" and exit code 0 as after a whole run."""
@@ -433,3 +437,19 @@ def test_05_says_where_it_starts_when_it_finds_no_checkpoint(monkeypatch, capsys
                                     capsys)
     assert code == 144 and output.splitlines()[0] == (
         f"{said}no checkpoint at {tmp_path}/ckpt-typo.pt: starting at epoch 1"), output
+
+
+def test_05_under_torchrun_in_a_slurm_job_refuses_a_missing_checkpoint_folder(monkeypatch, tmp_path):
+    """05 started by torchrun inside a Slurm job (its page's try-out, in an allocation or a container): a relative
+    --checkpoint is the submit folder's, and a folder missing there ends the launch with one line, as in 04.
+    check_launch() runs under srun only, so 05 saved into a folder it made itself (in a container, in files
+    thrown away with it), and every requeue started over without a line."""
+    module = load_step_module("05_ddp_slurm")
+    monkeypatch.setenv("SLURM_SUBMIT_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setattr(sys, "argv", ["05_ddp_slurm/train.py", "--checkpoint", "missing/ckpt.pt"])
+    with pytest.raises(SystemExit) as refused:
+        module.parse_args()
+    assert refused.value.code == 2  # argparse's error, its line on stderr
+    (tmp_path / "missing").mkdir()
+    assert module.parse_args().checkpoint == f"{tmp_path}/missing/ckpt.pt"
