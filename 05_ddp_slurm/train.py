@@ -18,6 +18,11 @@ import time
 from contextlib import nullcontext
 from datetime import timedelta
 
+# SLURM: a stop signal that comes during the imports below (seconds; more from a cold shared
+# filesystem) waits, blocked, for catch_stop_signals(), instead of ending the task.
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGUSR2, signal.SIGTERM))
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn

@@ -20,6 +20,11 @@ import time
 from contextlib import nullcontext
 from datetime import timedelta
 
+# SLURM: a stop signal that comes during the imports below (seconds; more from a cold shared
+# filesystem) waits, blocked, for catch_stop_signals(), instead of ending the task.
+if "SUBMITIT_FOLDER" in os.environ:  # submitit: a task, which imports this file for run()
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGUSR2, signal.SIGTERM))
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -52,7 +57,7 @@ def parse_args():
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int,
                         help="data-loader worker processes per process "
-                             "(default: half of --cpus-per-task)")
+                             "(default: half of the task's cores)")
     parser.add_argument("--checkpoint", metavar="PATH",
                         help="save after every epoch and at a stop; resume if PATH exists "
                              "(default on Slurm: checkpoints/ddp-submitit-JOBID.pt in the submit "
@@ -77,9 +82,7 @@ def parse_args():
                              "without a warning")
     add_submission_flags(parser)  # submitit: the job's shape and the site's options
     args = parser.parse_args()
-    if args.workers is None:  # submitit: half of the cores; the other half for the threads
-        args.workers = max(0, args.cpus_per_task // 2)
-    minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1, workers=0,
+    minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1,  # --workers: below
                     log_interval=0, clip_grad=0, save_every=0)
     for flag, minimum in minimums.items():
         if getattr(args, flag) < minimum:
@@ -102,7 +105,9 @@ def add_submission_flags(parser):
                         help="needed on Slurm (0: CPU, or GPUs that are not gres); --local: all")
     parser.add_argument("--tasks-per-node", type=int,
                         help="one per GPU (default: --gpus-per-node, or 2 without)")
-    parser.add_argument("--cpus-per-task", type=int, default=1, help="cores per process")
+    parser.add_argument("--cpus-per-task", type=int,
+                        help="cores per process (default: as 05's submit.sh, those Slurm gives: "
+                             "--sbatch cpus-per-gpu=N's, or the node's share; --local: 1)")
     parser.add_argument("--timeout-min", type=int, default=60,
                         help="time limit of the job in minutes")
     parser.add_argument("--python",
@@ -137,6 +142,8 @@ def check_submission_flags(parser, args):
     for flag in ["nodes", "tasks_per_node", "cpus_per_task", "timeout_min"]:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.workers is not None and args.workers < 0:  # None: half of the task's cores (run())
+        parser.error("--workers must be at least 0")
     if args.local and args.nodes > 1:
         parser.error("--local runs on 1 node")
     for key, _ in args.sbatch:
@@ -593,6 +600,8 @@ def run(args):
                                                                 overwrite=True)
     # MASTER_PORT: the batch script's (make_executor()); --local: submitit's.
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
+    if args.workers is None:  # submitit: half of the task's cores; the other half for the threads
+        args.workers = (args.cpus_per_task or int(os.environ.get("SRUN_CPUS_PER_TASK", 1))) // 2
     # SLURM: a relative --checkpoint is the submit folder's, not the working folder's (in a
     # container, one that is thrown away); here in the job, as the launcher's shell is none.
     if "SLURM_SUBMIT_DIR" in os.environ:
@@ -614,8 +623,16 @@ def make_executor(args):
     folder = os.path.join(args.log_dir, time.strftime("%Y%m%d-%H%M%S"))  # one per launch
     executor = submitit.AutoExecutor(folder=folder, cluster="local" if args.local else None,
                                      slurm_python=args.python)
-    # submitit: as 05's submit.sh, which says why: the threads, and a free port (in bash, as
-    # the host may have no Python), and the requeue on REQUEUE_EXIT_CODE.
+    # submitit: as 05's submit.sh, which says why: the task's cores (--cpus-per-task, else what
+    # Slurm set), its threads, a free port (in bash, as the host may have no Python), and the
+    # requeue on REQUEUE_EXIT_CODE. srun takes its cores from SRUN_CPUS_PER_TASK (Slurm 22.05 on).
+    cores = ("TASKS=${SLURM_TASKS_PER_NODE%%[(,]*}; export SRUN_CPUS_PER_TASK="
+             "${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_PER_GPU:-$((SLURM_CPUS_ON_NODE / TASKS))}}")
+    workers = "$((SRUN_CPUS_PER_TASK / 2))" if args.workers is None else args.workers
+    threads = (f"export OMP_NUM_THREADS=$((SRUN_CPUS_PER_TASK > {workers} ? "
+               f"SRUN_CPUS_PER_TASK - {workers} : 1))")
+    report = ('echo "job $SLURM_JOB_ID: $SLURM_NTASKS tasks of $SRUN_CPUS_PER_TASK cores, '
+              'OMP_NUM_THREADS=$OMP_NUM_THREADS"')
     find_port = ("export MASTER_PORT=$(for ((i = 0; i < 12000; i++)); do "
                  "port=$((20000 + (SLURM_JOB_ID + i) % 12000)); "
                  "(: </dev/tcp/127.0.0.1/$port) 2>/dev/null || { echo $port; break; }; done)")
@@ -626,10 +643,8 @@ def make_executor(args):
         gpus_per_node=args.gpus_per_node or None, cpus_per_task=args.cpus_per_task,
         timeout_min=args.timeout_min,
         slurm_additional_parameters=dict(args.sbatch, requeue=True, signal="USR2@120"),
-        slurm_srun_args=[*shlex.split(args.srun_args), "--kill-on-bad-exit=0", "--wait=30",
-                         f"--cpus-per-task={args.cpus_per_task}"],
-        slurm_setup=[f"export OMP_NUM_THREADS={max(1, args.cpus_per_task - args.workers)}",
-                     find_port],
+        slurm_srun_args=[*shlex.split(args.srun_args), "--kill-on-bad-exit=0", "--wait=30"],
+        slurm_setup=[cores, threads, report, find_port],
         slurm_teardown=[requeue])
     if executor.cluster == "slurm":
         # submitit: None drops its --wckey=submitit, which sites that enforce wckeys reject

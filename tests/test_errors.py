@@ -29,6 +29,7 @@ BAD_ARGUMENTS = [
     ("--dataset imagenet", "01_single_gpu", ["--dataset", "imagenet"], "--dataset"),
     ("--world-size 0", "03_ddp_mpspawn", ["--world-size", "0"], "--world-size"),
     ("--nodes 0", "06_ddp_submitit", ["--nodes", "0"], "--nodes"),
+    ("--workers -1", "06_ddp_submitit", ["--local", "--workers", "-1"], "--workers"),  # its default: None
     ("--local on 2 nodes", "06_ddp_submitit", ["--local", "--nodes", "2"], "--local"),
     ("--accumulate 0", "03_ddp_mpspawn", ["--accumulate", "0"], "--accumulate"),  # before mp.spawn: exit 2 too
     ("--warmup 1 (the whole run)", "05_ddp_slurm", ["--warmup", "1"], "--warmup"),

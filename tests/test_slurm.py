@@ -397,9 +397,11 @@ def test_a_job_killed_without_warning_resumes_at_its_last_periodic_save(slurm, s
 
 # --- 06: submitit's Slurm executor ---
 
-def launch_06(log_dir, nodes, tasks, train_args, env=None):
+def launch_06(log_dir, nodes, tasks, train_args, env=None, cores=None):
+    """06 on the test cluster's CPUs, each task on NODE_CPUS // tasks cores: --cpus-per-task, or cores (say, --sbatch
+    exclusive) that make Slurm give them."""
     cmd = [sys.executable, "06_ddp_submitit/train.py", "--nodes", str(nodes), "--tasks-per-node", str(tasks),
-           "--gpus-per-node", "0", "--cpus-per-task", str(NODE_CPUS // tasks), "--timeout-min", "10",
+           "--gpus-per-node", "0", *(cores or ["--cpus-per-task", str(NODE_CPUS // tasks)]), "--timeout-min", "10",
            "--log-dir", str(log_dir), *train_args]
     return subprocess.Popen(cmd, cwd=REPO, env=child_env(**(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -408,12 +410,14 @@ def launch_06(log_dir, nodes, tasks, train_args, env=None):
 @pytest.fixture(scope="session")
 def submitit_runs(slurm, shared):
     """runs[layout]: two epochs without interruption, made when a test first reads it (SharedRuns); the 2 x 1 job
-    also records its processes' cores."""
+    also records its processes' cores, and takes them as Slurm gives them (--sbatch exclusive: a whole node, without
+    --cpus-per-task)."""
     def compute(folder, layout):
         env = cores_env(folder) if layout == "2x1" else {}
         start = time.monotonic()
         proc = launch_06(folder / "logs", *LAYOUTS[layout], [*TRAIN_ARGS, "--epochs", "2",
-                                                             "--checkpoint", f"{folder}/ckpt.pt"], env=env)
+                                                             "--checkpoint", f"{folder}/ckpt.pt"], env=env,
+                         cores=["--sbatch", "exclusive"] if layout == "2x1" else None)
         code = finish(proc, 180)
         return dict(code=code, out=proc.stdout.read(), err=proc.stderr.read(), log=submitit_logs(folder / "logs"),
                     pair=SLURM_NODES,

@@ -10,6 +10,7 @@ its loop (workers started by fork, Linux's default before Python 3.14, run no si
 The cases without --workers read the jobs of test_slurm.py's uninterrupted runs (05 and 06 on 2 nodes x 1
 task), which run with this sitecustomize."""
 import json
+import re
 import subprocess
 
 import pytest
@@ -79,9 +80,12 @@ def test_submit_sh_04_fits_threads_and_workers_in_the_node_cores(slurm, referenc
     assert max_abs_diff(weights(tmp_path / "ckpt.pt"), weights(reference.epoch1)) <= TOLERANCE
 
 
-def test_submitit_fits_threads_and_workers_in_the_task_cores(submitit_runs):
-    """Without --workers: the uninterrupted 06 job on 2 nodes x 1 task of test_slurm.py."""
+def test_submitit_takes_the_cores_that_slurm_set_and_fits_threads_and_workers_in_them(submitit_runs):
+    """Without --workers and --cpus-per-task: the uninterrupted 06 job on 2 nodes x 1 task of test_slurm.py, under
+    --sbatch exclusive (a whole node). The launcher wrote --cpus-per-task=1 always, and srun bound each task to one
+    core."""
     run = submitit_runs["2x1"]
+    assert re.search(rf"^job \d+: 2 tasks of {CPUS} cores, OMP_NUM_THREADS=1$", run["log"], re.M), run["log"]
     check(trainers_and_workers(run["cores_log"]), 2, WORKERS["default"][1], run["out"] + run["log"])
 
 
