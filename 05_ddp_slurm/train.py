@@ -240,7 +240,8 @@ def start_progress(args, resumed, world_size, train_samples):
     progress = dict(epoch=0, step=0, loss_sum=0.0, count=0.0, stalled_runs=0,
                     world_size=world_size, batch_size=args.batch_size, accumulate=args.accumulate,
                     sample_order=[world_size * args.batch_size * args.accumulate, args.seed,
-                                  train_samples])  # the global batch, the seed, the data size
+                                  train_samples],  # the global batch, the seed, the data size
+                    flags=vars(args))  # for the line of a resume with others
     if resumed and resumed.get("step"):  # saved inside an epoch: it goes on there
         check_sample_order(args.checkpoint, resumed, progress)  # a site check (the end)
         progress.update(step=resumed["step"], loss_sum=resumed["loss_sum"],
@@ -250,9 +251,16 @@ def start_progress(args, resumed, world_size, train_samples):
     if not int(os.environ.get("SLURM_RESTART_COUNT", 0)):
         progress["stalled_runs"] = 0
     progress["resumed_at"] = [progress["epoch"], progress["step"]]
-    if resumed and dist.get_rank() == 0:
-        print(f"resumed from {args.checkpoint} at epoch {progress['epoch'] + 1} "
-              f"step {progress['step']}", flush=True)
+    if resumed and dist.get_rank() == 0:  # a new job may resume with other flags: they apply
+        saved_flags = resumed.get("flags", {})
+        differ = ", ".join(f"--{flag.replace('_', '-')} {saved_flags[flag]} -> {value}"
+                           for flag, value in vars(args).items()
+                           if saved_flags.get(flag, value) != value)
+        line = (f"resumed from {args.checkpoint} at epoch {progress['epoch'] + 1} "
+                f"step {progress['step']}")
+        if differ:
+            line += f"; flags that differ from the checkpoint's: {differ}"
+        print(line, flush=True)
     elif args.checkpoint and dist.get_rank() == 0:  # a mistyped path would start over unseen
         requeued = "requeued, but " if int(os.environ.get("SLURM_RESTART_COUNT", 0)) else ""
         print(f"{requeued}no checkpoint at {os.path.abspath(args.checkpoint)}: starting at "
@@ -291,6 +299,9 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
     elif stalled_runs < MAX_STALLED_RUNS:  # submit.sh requeues the job on this code
         exit_code = REQUEUE_EXIT_CODE
         outcome = f"{saved}, exit code {REQUEUE_EXIT_CODE} to be requeued"
+        if stop_signal == signal.SIGTERM:  # a preemption's, or a scancel's, which ends submit.sh
+            outcome += (" (after a scancel: not; a new job resumes with --checkpoint "
+                        f"{args.checkpoint})")
     else:  # a time limit that start-up and the signal's lead use up would requeue the job for ever
         exit_code = 1
         outcome = (f"{saved}, exit code 1, not requeued: {stalled_runs} runs in a row made no "
@@ -487,6 +498,8 @@ def train(args, rank, world_size, device, gloo_group):
     peak_lrs = [group["lr"] for group in optimizer.param_groups]  # this run's, not a checkpoint's
     # What a checkpoint holds and a resume restores, by name: add yours (01's page: an EMA).
     checkpointed = {"model": model, "optimizer": optimizer}
+    if args.checkpoint:  # SLURM: a site check (the end of this file)
+        check_checkpoint_folder_shared(args.checkpoint, gloo_group)
     resumed = load_checkpoint(args.checkpoint, checkpointed) if args.checkpoint else None
     check_same_checkpoint(args.checkpoint, resumed, gloo_group)  # DDP: a site check (the end)
     progress = start_progress(args, resumed, world_size, len(train_loader.dataset))  # SLURM
@@ -518,7 +531,8 @@ def train(args, rank, world_size, device, gloo_group):
         loss = progress["loss_sum"] / progress["count"]
         progress.update(epoch=epoch + 1, step=0, loss_sum=0.0, count=0.0)  # SLURM: the next's
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, checkpointed, {"epoch": epoch + 1})
+            save_checkpoint(args.checkpoint, checkpointed,
+                            {"epoch": epoch + 1, "flags": vars(args)})  # SLURM: and the flags
         dist.barrier(group=gloo_group)  # DDP: the others wait until the checkpoint is complete
         if is_main:
             print(f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | "
@@ -612,6 +626,38 @@ def check_launch(checkpoint, rank):
         if not os.path.isdir(folder):
             sys.exit(f"{error_prefix}: no checkpoint folder {folder}: make it before the job "
                      "(and mount it there in a container)")
+    # Gloo binds the address that the hostname resolves to: on a loopback one (Debian's /etc/hosts
+    # gives 127.0.1.1) or none, the other nodes retry until the timeout (an hour on NCCL runs).
+    if int(os.environ.get("SLURM_NNODES", 1)) > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            address = "no address"
+        if not address[0].isdigit() or address.startswith("127."):
+            sys.exit(f"{error_prefix}: its hostname resolves to {address}, which the other nodes "
+                     "cannot reach: export GLOO_SOCKET_IFNAME=<the nodes' network interface> "
+                     "(one name, as ib0 or eth0: ip -br addr lists them)")
+
+
+def check_checkpoint_folder_shared(path, group):
+    """SLURM: rank 0 makes a file beside the checkpoint that every rank must see. A folder on
+    node-local or per-job storage ($TMPDIR, /tmp) exists on every node, but a requeue whose rank 0
+    runs on another node would find no checkpoint there and start over, at every requeue."""
+    probe = [f"{path}.{socket.gethostname()}-{os.getpid()}.probe"]  # rank 0's name: this run's
+    if dist.get_rank() == 0:
+        open(probe[0], "w").close()
+    dist.broadcast_object_list(probe, src=0, group=group)  # DDP: sent once the file is there
+    every_seen = [None] * dist.get_world_size()
+    this_seen = (socket.gethostname(), os.path.exists(probe[0]))
+    dist.all_gather_object(every_seen, this_seen, group=group)
+    if dist.get_rank() == 0:
+        os.remove(probe[0])
+    blind = sorted({host for host, seen in every_seen if not seen})
+    if blind:
+        exit_with_error(f"the checkpoint folder {os.path.dirname(os.path.abspath(path))} is not "
+                        f"shared: {', '.join(blind)} cannot see rank 0's files there; put it on "
+                        "storage that every node mounts (a requeue would start over)",
+                        dist.get_rank() == 0)
 
 
 def check_gpus_not_shared(device, group, is_main):

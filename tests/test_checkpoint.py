@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import child_env, load_step_module, run, train_in_process
+from conftest import SYNTHETIC, child_env, load_step_module, run, train_in_process
 
 
 @pytest.mark.parametrize("step", ["01_single_gpu", "05_ddp_slurm"])  # the two versions of save_checkpoint
@@ -218,3 +218,16 @@ def test_a_nan_loss_sum_in_the_checkpoint_is_the_same_checkpoint(monkeypatch):
     monkeypatch.setattr(module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(
         slice(None), [pickle.loads(pickle.dumps(rank0)), pickle.loads(pickle.dumps(obj))]))
     module.check_same_checkpoint("ckpt.pt", pickle.loads(pickle.dumps(rank0)), None)  # no exit
+
+
+def test_a_resume_says_which_flags_differ_from_the_checkpoints(tmp_path, capsys):
+    """05 (and 06) save their flags: a new job that resumes the file with others applies them, by design, and rank 0
+    names each with the checkpoint's value and this run's (a requeue keeps the job's flags: no line)."""
+    flags = [*SYNTHETIC, "--log-interval", "0", "--checkpoint", str(tmp_path / "ckpt.pt")]
+    assert train_in_process("05_ddp_slurm", [*flags, "--epochs", "1"], capsys)[0] == 0
+    other = [*flags, "--epochs", "2", "--lr", "0.02", "--cosine"]
+    code, output = train_in_process("05_ddp_slurm", other, capsys)
+    assert code == 0 and re.search(r"^resumed from \S+ at epoch 2 step 0; flags that differ from the checkpoint's: "
+                                   r"--epochs 1 -> 2, --lr 0.01 -> 0.02, --cosine False -> True$", output, re.M), output
+    code, output = train_in_process("05_ddp_slurm", other, capsys)  # epoch 2's checkpoint holds these flags
+    assert code == 0 and re.search(r"^resumed from \S+ at epoch 3 step 0$", output, re.M), output

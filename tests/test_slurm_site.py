@@ -1,14 +1,17 @@
 """What sites run beside the test cluster's low and high partitions, on this worker's pair: a partition whose
-preempted jobs are cancelled (PreemptMode=CANCEL), and 05's data-staging line. The tasks here are bash scripts that
-stand in for train.py (no torch): what is under test is Slurm's behaviour and submit.sh's lines."""
+preempted jobs are cancelled (PreemptMode=CANCEL), and 05's data-staging line (there the tasks are bash scripts that
+stand in for train.py: what is under test is Slurm's behaviour and submit.sh's lines); nodes whose /etc/hosts maps
+their own name to loopback, and a checkpoint folder on node-local storage, each made in a mount namespace of the
+task's own (a wrapper that submit.sh starts as $PYTHON), where 05 must end in seconds with one line."""
 import re
 import subprocess
+import sys
 import time
 
 import pytest
 
-from conftest import REPO, SLURM_HIGH, SLURM_NODES, WORKER, child_env, read_line, wait_for
-from test_slurm import accounted_runs, job_state, read
+from conftest import REPO, SLURM_HIGH, SLURM_NODES, SYNTHETIC, WORKER, child_env, read_line, wait_for
+from test_slurm import accounted_runs, finish, job_id_of, job_state, read, sbatch_05
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm")]  # on this worker's pair (conftest.py)
 N1, N2 = SLURM_NODES
@@ -72,3 +75,55 @@ def test_05_staging_line_copies_once_per_node(tmp_path):
     log = read(tmp_path / "job.out")
     assert done.returncode == 0 and "staged" in log, (line, log)
     assert sorted(read(tmp_path / "copies").splitlines()) == [f"{N1} -r data /tmp/", f"{N2} -r data /tmp/"], (line, log)
+
+
+# Runs the task's python in a mount namespace of its own, where SETUP has changed a file or a folder first.
+IN_A_NAMESPACE = """#!/bin/bash
+exec unshare --mount bash -c '{setup} && exec "$@"' task {python} "$@"
+"""
+
+
+def namespace_python(tmp_path, setup):
+    wrapper = tmp_path / "python"
+    wrapper.write_text(IN_A_NAMESPACE.format(setup=setup, python=sys.executable))
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_05_a_hostname_on_loopback_ends_a_multi_node_job_with_one_line(tmp_path):
+    """Debian's and Ubuntu's /etc/hosts map the machine's own name to 127.0.1.1: Gloo binds that address, and the
+    other node connects to its own loopback until the timeout (before the check: no line; --collective-timeout 20
+    bounds it here, an hour on NCCL runs). Each task ends in seconds, before the process group, naming
+    GLOO_SOCKET_IFNAME."""
+    hosts = 'grep -v "^#" /etc/hosts > {0}/hosts-$(hostname) && sed -i "1i 127.0.1.1 $(hostname)" {0}/hosts-$(hostname)'
+    python = namespace_python(tmp_path, hosts.format(tmp_path) + f' && mount --bind {tmp_path}/hosts-$(hostname) '
+                                                                 '/etc/hosts')
+    proc = sbatch_05(tmp_path, 2, 1, [*SYNTHETIC[:2], "--collective-timeout", "20"], env={"PYTHON": python})
+    job_id = job_id_of(proc)
+    code = finish(proc, 90)
+    log = read(tmp_path / f"ddp-slurm-{job_id}.out")
+    assert code == 1, log
+    errors = sorted(line for line in log.splitlines() if line.startswith("error:"))
+    assert errors == [f"error: task {rank} on {node}: its hostname resolves to 127.0.1.1, which the other nodes cannot "
+                      "reach: export GLOO_SOCKET_IFNAME=<the nodes' network interface> (one name, as ib0 or eth0: ip "
+                      "-br addr lists them)" for rank, node in enumerate(SLURM_NODES)], log
+    assert "rank 0/2" not in log, log  # before the process group
+
+
+def test_05_a_checkpoint_folder_that_another_node_cannot_see_ends_the_job_with_one_line(tmp_path):
+    """The checkpoint folder on node-local or per-job storage ($TMPDIR, /tmp, job_container/tmpfs) exists on every
+    node, so the folder check passes; a requeue whose first node is another would find no checkpoint and start
+    over, at every requeue. Here each task has a tmpfs of its own over the folder: rank 0's file is not on the other
+    node. Before the check the job trained and ended as if all was well."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    python = namespace_python(tmp_path, f"mount -t tmpfs tmpfs {folder}")
+    proc = sbatch_05(tmp_path, 2, 1, [*SYNTHETIC[:2], "--epochs", "1", "--checkpoint", f"{folder}/ckpt.pt"],
+                     env={"PYTHON": python})
+    job_id = job_id_of(proc)
+    code = finish(proc, 90)
+    log = read(tmp_path / f"ddp-slurm-{job_id}.out")
+    assert code == 1 and "epoch 1/1" not in log, log
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: the checkpoint folder {folder} is not shared: {SLURM_NODES[1]} cannot see rank 0's files "
+                      "there; put it on storage that every node mounts (a requeue would start over)"], log

@@ -19,8 +19,8 @@ ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "SET_BY_06", "ch
          "make_loaders", "train_step", "train_one_epoch", "evaluate", "save_checkpoint", "load_checkpoint",
          "exit_with_error", "setup", "train", "run", "make_executor", "main",
          # The site checks, set apart at the end of the file.
-         "check_same_checkpoint", "tasks_on_node", "gpus_on_node", "check_launch", "check_gpus_not_shared",
-         "check_sample_order"]
+         "check_same_checkpoint", "tasks_on_node", "gpus_on_node", "check_launch",
+         "check_checkpoint_folder_shared", "check_gpus_not_shared", "check_sample_order"]
 SHARED = {
     "METRIC": ["01 02 03 04 05 06"],
     "loss_and_metric": ["01 02 03 04 05 06"],
@@ -53,6 +53,7 @@ SHARED = {
     "tasks_on_node": ["05 06"],
     "gpus_on_node": ["05 06"],
     "check_launch": ["05 06"],
+    "check_checkpoint_folder_shared": ["05 06"],
     "check_gpus_not_shared": ["05 06"],
     "check_sample_order": ["05 06"],
 }
