@@ -80,6 +80,9 @@ def parse_args():
     parser.add_argument("--save-every", type=float, default=30, metavar="MINUTES",
                         help="also save inside an epoch this often (0: never), for a job killed "
                              "without a warning")
+    parser.add_argument("--check", action="store_true",
+                        help="a job of a minute that says whether this one would run: the launch "
+                             "checks, a few steps, an all-reduce and a save, timed; saves nothing")
     add_submission_flags(parser)  # submitit: the job's shape and the site's options
     args = parser.parse_args()
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1,  # --workers: below
@@ -624,6 +627,8 @@ def run(args):
         args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint or default)
     if not args.local:  # SLURM: a Slurm job's layout, before setup() (the end of this file)
         check_launch(args.checkpoint, rank)
+    if args.check:  # SLURM: a short job that says whether this one would (the end of this file)
+        return check_job(args, rank, local_rank, world_size)
     device, gloo_group = setup(rank, local_rank, world_size, args.collective_timeout)
     exit_code = train(args, rank, world_size, device, gloo_group)  # SLURM: a stop's, or 0
     # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all.
@@ -769,14 +774,19 @@ def check_launch(checkpoint, rank):
     # Gloo binds the address that the hostname resolves to: on a loopback one (Debian's /etc/hosts
     # gives 127.0.1.1) or none, the other nodes retry until the timeout (an hour on NCCL runs).
     if int(os.environ.get("SLURM_NNODES", 1)) > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        try:
-            address = socket.gethostbyname(socket.gethostname())
-        except OSError:
-            address = "no address"
+        address = host_address()
         if not address[0].isdigit() or address.startswith("127."):
             sys.exit(f"{error_prefix}: its hostname resolves to {address}, which the other nodes "
                      "cannot reach: export GLOO_SOCKET_IFNAME=<the nodes' network interface> "
                      "(one name, as ib0 or eth0: ip -br addr lists them)")
+
+
+def host_address():
+    """SLURM: the address that this host's name resolves to (Gloo binds it), or "no address"."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "no address"
 
 
 def check_checkpoint_folder_shared(path, group):
@@ -785,6 +795,7 @@ def check_checkpoint_folder_shared(path, group):
     runs on another node would find no checkpoint there and start over, at every requeue."""
     probe = [f"{path}.{socket.gethostname()}-{os.getpid()}.probe"]  # rank 0's name: this run's
     if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # as save_checkpoint()
         open(probe[0], "w").close()
     dist.broadcast_object_list(probe, src=0, group=group)  # DDP: sent once the file is there
     every_seen = [None] * dist.get_world_size()
@@ -832,6 +843,73 @@ def check_sample_order(path, resumed, progress):
         f"x {progress['accumulate']}, {progress['sample_order'][1]}, "
         f"{progress['sample_order'][2]}) or from an end-of-epoch checkpoint",
         dist.get_rank() == 0)
+
+
+CHECK_STEPS = 20  # --check's timed optimizer steps, after one that warms up
+SIGNAL_LEAD_SECONDS = 120  # submit.sh's --signal=USR2@120: a stop and its save must fit in it
+
+
+def check_job(args, rank, local_rank, world_size):
+    """SLURM: --check: meets what the full job would, at its size, in about a minute, and says
+    whether it would run: every launch check, each node, the data, the checkpoint folder, a few
+    steps of the model, an all-reduce of its size and a save, timed. Writes no checkpoint; ends
+    with one line and exit code 1 where the job would fail or lose its stops."""
+    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")  # NCCL's transport, logged
+    device, gloo_group = setup(rank, local_rank, world_size, args.collective_timeout)
+    train_loader, _ = make_loaders(args, rank, world_size, device, gloo_group)  # the data read
+    if args.checkpoint:
+        check_checkpoint_folder_shared(args.checkpoint, gloo_group)
+    gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    this_task = (socket.gethostname(), host_address(),
+                 f"{gpu.name}, PCI bus {gpu.pci_bus_id}" if gpu else "cpu",
+                 len(os.sched_getaffinity(0)), args.workers, torch.get_num_threads())
+    every_task = [None] * world_size
+    dist.all_gather_object(every_task, this_task, group=gloo_group)
+    torch.manual_seed(args.seed)
+    model = Net().to(device)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    optimizer = make_optimizer(model, args)
+    batches, sums = iter(train_loader), torch.zeros(3, dtype=torch.float64, device=device)
+    # The first step allocates and warms up: not timed. Then at most an epoch's steps.
+    train_step(args, ddp_model, batches, args.accumulate, optimizer, device, sums)
+    steps = min(CHECK_STEPS, len(train_loader) // args.accumulate - 1)
+    max_over_ranks([0], device)  # waits for the GPU and every rank
+    started = time.perf_counter()
+    for _ in range(steps):
+        train_step(args, ddp_model, batches, args.accumulate, optimizer, device, sums)
+    step_seconds = max_over_ranks([(time.perf_counter() - started) / steps], device)[0]
+    buffer = torch.cat([parameter.detach().flatten() for parameter in model.parameters()])
+    began = time.perf_counter()
+    for _ in range(5):
+        dist.all_reduce(buffer)
+    allreduce_seconds = max_over_ranks([(time.perf_counter() - began) / 5], device)[0]
+    began = time.perf_counter()
+    if args.checkpoint and rank == 0:  # beside the checkpoint, then removed
+        save_checkpoint(f"{args.checkpoint}.check", {"model": model, "optimizer": optimizer}, {})
+        os.remove(f"{args.checkpoint}.check")
+    save_seconds = max_over_ranks([time.perf_counter() - began], device)[0]
+    peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
+    if rank == 0:
+        for host in dict.fromkeys(task[0] for task in every_task):  # one line a node
+            tasks = [(rank, *task[2:]) for rank, task in enumerate(every_task) if task[0] == host]
+            print(f"node {host} ({every_task[tasks[0][0]][1]}): (rank, device, cores, workers, "
+                  f"threads) {tasks}", flush=True)
+        # NCCL's ring all-reduce moves 2 (n - 1) / n of the buffer through each rank's link.
+        bus_gb_per_s = buffer.nbytes * 2 * (world_size - 1) / world_size / allreduce_seconds / 1e9
+        print(f"check: {world_size} ranks, {len(set(task[0] for task in every_task))} nodes, "
+              f"{args.batch_size * args.accumulate * world_size / step_seconds:.0f} samples/s, "
+              f"peak GPU memory {peak_memory:.1f} GiB, all-reduce of {buffer.nbytes / 1e6:.1f} MB "
+              f"in {allreduce_seconds * 1e3:.1f} ms ({bus_gb_per_s:.2f} GB/s bus), "
+              f"a save in {save_seconds:.1f} s", flush=True)
+    stop_seconds = STOP_CHECK_SECONDS + step_seconds + save_seconds
+    if stop_seconds > SIGNAL_LEAD_SECONDS:
+        exit_with_error(f"a stop would take {stop_seconds:.0f} s (the stop check, a step, the "
+                        f"save), more than the signal's {SIGNAL_LEAD_SECONDS} s lead: raise it "
+                        "(--signal=USR2@N)", rank == 0)
+    if rank == 0:
+        print("check passed: the job would run", flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ OUTPUTS = {
     # 05 and 06: three epochs, so that the preemption, sent once epoch 1 has ended, lands inside training.
     "05": [f"sbatch --gpus-per-node=0 --nodes=2 --ntasks-per-node=1 --cpus-per-task=2 05_ddp_slurm/submit.sh "
            f"{SYNTHETIC} --batch-size 32 --checkpoint ckpt.pt --epochs 3"],
+    "05_check": ["sbatch --wait --time=10 --gpus-per-node=0 --nodes=2 --ntasks-per-node=1 --cpus-per-task=2 "
+                 "05_ddp_slurm/submit.sh --dataset synthetic --check", "cat ddp-slurm-*.out"],
     "06": [f"python 06_ddp_submitit/train.py --nodes 2 --tasks-per-node 1 --gpus-per-node 0 --cpus-per-task 2 "
            f"{SYNTHETIC} --batch-size 32 --checkpoint ckpt.pt --epochs 3"],
 }
@@ -193,7 +195,7 @@ def run_output(name):
     import torch
     machine = (f"{os.cpu_count()} CPU cores ({platform.machine()}, no GPU), Python {platform.python_version()}, "
                f"torch {torch.__version__}" + (", the two-node test cluster of tests/slurm_cluster.sh"
-                                               if name in ("05", "06") else ""))
+                                               if name[:2] in ("05", "06") else ""))
     return f"Printed on {datetime.date.today()}, on {machine}:\n\n```console\n{text}```\n"
 
 

@@ -20,7 +20,8 @@ ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "SET_BY_06", "ch
          "exit_with_error", "setup", "train", "run", "make_executor", "main",
          # The site checks, set apart at the end of the file.
          "check_same_checkpoint", "tasks_on_node", "gpus_on_node", "check_launch",
-         "check_checkpoint_folder_shared", "check_gpus_not_shared", "check_sample_order"]
+         "host_address", "check_checkpoint_folder_shared", "check_gpus_not_shared", "check_sample_order",
+         "CHECK_STEPS", "SIGNAL_LEAD_SECONDS", "check_job"]
 SHARED = {
     "METRIC": ["01 02 03 04 05 06"],
     "loss_and_metric": ["01 02 03 04 05 06"],
@@ -53,7 +54,11 @@ SHARED = {
     "tasks_on_node": ["05 06"],
     "gpus_on_node": ["05 06"],
     "check_launch": ["05 06"],
+    "host_address": ["05 06"],
     "check_checkpoint_folder_shared": ["05 06"],
+    "CHECK_STEPS": ["05 06"],
+    "SIGNAL_LEAD_SECONDS": ["05 06"],
+    "check_job": ["05 06"],
     "check_gpus_not_shared": ["05 06"],
     "check_sample_order": ["05 06"],
 }
@@ -157,7 +162,7 @@ PAGE_BLOCKS = {
                        "diff 02_dataparallel/run.sh 03_ddp_mpspawn/run.sh"],
     "04_ddp_torchrun": ["output 04", "diff 03_ddp_mpspawn/train.py 04_ddp_torchrun/train.py",
                         "diff 03_ddp_mpspawn/run.sh 04_ddp_torchrun/run.sh", "file 04_ddp_torchrun/submit.sh"],
-    "05_ddp_slurm": ["output 05", "diff 04_ddp_torchrun/train.py 05_ddp_slurm/train.py",
+    "05_ddp_slurm": ["output 05", "output 05_check", "diff 04_ddp_torchrun/train.py 05_ddp_slurm/train.py",
                      "file 05_ddp_slurm/submit.sh"],
     "06_ddp_submitit": ["output 06", "diff 05_ddp_slurm/train.py 06_ddp_submitit/train.py"],
 }
