@@ -191,6 +191,7 @@ STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 REQUEUE_EXIT_CODE = 144  # of tasks that stopped and saved: submit.sh requeues the job
 STOP_CHECK_SECONDS = 2  # how often the ranks agree: each time, a collective waits for the GPU
 MAX_STALLED_RUNS = 3  # time-limit stops in a row before any progress: then no requeue
+SIGNAL_LEAD_SECONDS = 120  # submit.sh's --signal=USR2@120 (06 writes it); --check times a stop
 noted_stop_signals = []  # by the handler
 
 
@@ -244,7 +245,7 @@ def start_progress(args, resumed, world_size, train_samples):
                     world_size=world_size, batch_size=args.batch_size, accumulate=args.accumulate,
                     sample_order=[world_size * args.batch_size * args.accumulate, args.seed,
                                   train_samples],  # the global batch, the seed, the data size
-                    flags=vars(args))  # for the line of a resume with others
+                    flags={flag: str(value) for flag, value in vars(args).items()})  # as text
     if resumed and resumed.get("step"):  # saved inside an epoch: it goes on there
         check_sample_order(args.checkpoint, resumed, progress)  # a site check (the end)
         progress.update(step=resumed["step"], loss_sum=resumed["loss_sum"],
@@ -256,13 +257,13 @@ def start_progress(args, resumed, world_size, train_samples):
     progress["resumed_at"] = [progress["epoch"], progress["step"]]
     if resumed and dist.get_rank() == 0:  # a new job may resume with other flags: they apply
         saved_flags = resumed.get("flags", {})
-        differ = ", ".join(f"--{flag.replace('_', '-')} {saved_flags[flag]} -> {value}"
-                           for flag, value in vars(args).items()
-                           if saved_flags.get(flag, value) != value)
+        changed_flags = ", ".join(f"--{flag.replace('_', '-')} {saved_flags[flag]} -> {value}"
+                                  for flag, value in progress["flags"].items()
+                                  if saved_flags.get(flag, value) != value)
         line = (f"resumed from {args.checkpoint} at epoch {progress['epoch'] + 1} "
                 f"step {progress['step']}")
-        if differ:
-            line += f"; flags that differ from the checkpoint's: {differ}"
+        if changed_flags:
+            line += f"; flags that differ from the checkpoint's: {changed_flags}"
         print(line, flush=True)
     elif args.checkpoint and dist.get_rank() == 0:  # a mistyped path would start over unseen
         requeued = "requeued, but " if int(os.environ.get("SLURM_RESTART_COUNT", 0)) else ""
@@ -302,8 +303,8 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
     elif stalled_runs < MAX_STALLED_RUNS:  # submit.sh requeues the job on this code
         exit_code = REQUEUE_EXIT_CODE
         outcome = f"{saved}, exit code {REQUEUE_EXIT_CODE} to be requeued"
-        if stop_signal == signal.SIGTERM:  # a preemption's, or a scancel's, which ends submit.sh
-            outcome += (" (after a scancel: not; a new job resumes with --checkpoint "
+        if stop_signal == signal.SIGTERM:  # a preemption's, or a scancel's (ends the batch script)
+            outcome += (" (a scancel's is not: a new job resumes with --checkpoint "
                         f"{args.checkpoint})")
     else:  # a time limit that start-up and the signal's lead use up would requeue the job for ever
         exit_code = 1
@@ -506,6 +507,8 @@ def train(args, rank, world_size, device, gloo_group):
     resumed = load_checkpoint(args.checkpoint, checkpointed) if args.checkpoint else None
     check_same_checkpoint(args.checkpoint, resumed, gloo_group)  # DDP: a site check (the end)
     progress = start_progress(args, resumed, world_size, len(train_loader.dataset))  # SLURM
+    if args.check:  # SLURM: the rest of a --check job (the end of this file)
+        return check_job(args, model, train_loader, optimizer, checkpointed, device, gloo_group)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
@@ -535,7 +538,7 @@ def train(args, rank, world_size, device, gloo_group):
         progress.update(epoch=epoch + 1, step=0, loss_sum=0.0, count=0.0)  # SLURM: the next's
         if args.checkpoint and is_main:
             save_checkpoint(args.checkpoint, checkpointed,
-                            {"epoch": epoch + 1, "flags": vars(args)})  # SLURM: and the flags
+                            {"epoch": epoch + 1, "flags": progress["flags"]})  # SLURM: and flags
         dist.barrier(group=gloo_group)  # DDP: the others wait until the checkpoint is complete
         if is_main:
             print(f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | "
@@ -559,8 +562,6 @@ def main():
         # SLURM: the site checks, at the end of this file: before setup(), no rank waits yet.
         check_launch(args.checkpoint, int(os.environ["SLURM_PROCID"]))
     rank, local_rank, world_size = (int(os.environ[name]) for name in names)
-    if args.check:  # SLURM: a short job that says whether this one would (the end of this file)
-        return check_job(args, rank, local_rank, world_size)
     device, gloo_group = setup(rank, local_rank, world_size, args.collective_timeout)
     exit_code = train(args, rank, world_size, device, gloo_group)  # SLURM: a stop's, or 0
     # DDP: not after an error, where NCCL's clean-up can hang: the launcher ends all.
@@ -631,20 +632,25 @@ def check_launch(checkpoint, rank):
         if not os.path.isdir(folder):
             sys.exit(f"{error_prefix}: no checkpoint folder {folder}: make it before the job "
                      "(and mount it there in a container)")
-    # Gloo binds the address that the hostname resolves to: on a loopback one (Debian's /etc/hosts
-    # gives 127.0.1.1) or none, the other nodes retry until the timeout (an hour on NCCL runs).
-    if int(os.environ.get("SLURM_NNODES", 1)) > 1 and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        address = host_address()
-        if not address[0].isdigit() or address.startswith("127."):
-            sys.exit(f"{error_prefix}: its hostname resolves to {address}, which the other nodes "
-                     "cannot reach: export GLOO_SOCKET_IFNAME=<the nodes' network interface> "
-                     "(one name, as ib0 or eth0: ip -br addr lists them)")
+    if int(os.environ.get("SLURM_NNODES", 1)) == 1:
+        return
+    # On several nodes, Gloo binds the address that the hostname resolves to: on a loopback one
+    # (Debian's /etc/hosts: 127.0.1.1) the others retry until the timeout (an hour on NCCL runs).
+    address = host_address(socket.gethostname())
+    if not os.environ.get("GLOO_SOCKET_IFNAME") and (
+            address in ("no address", "::1") or address.startswith("127.")):
+        sys.exit(f"{error_prefix}: its hostname resolves to {address}, which the other nodes "
+                 "cannot reach: export GLOO_SOCKET_IFNAME=<the nodes' network interface> "
+                 "(one name, as ib0 or eth0: ip -br addr lists them)")
+    if host_address(os.environ["MASTER_ADDR"]) == "no address":  # the store would retry as long
+        sys.exit(f"{error_prefix}: MASTER_ADDR {os.environ['MASTER_ADDR']} does not resolve here")
 
 
-def host_address():
-    """SLURM: the address that this host's name resolves to (Gloo binds it), or "no address"."""
+def host_address(name):
+    """SLURM: the first address that name resolves to, as Gloo and torch's store take it, or
+    "no address"."""
     try:
-        return socket.gethostbyname(socket.gethostname())
+        return socket.getaddrinfo(name, None)[0][4][0]
     except OSError:
         return "no address"
 
@@ -653,11 +659,17 @@ def check_checkpoint_folder_shared(path, group):
     """SLURM: rank 0 makes a file beside the checkpoint that every rank must see. A folder on
     node-local or per-job storage ($TMPDIR, /tmp) exists on every node, but a requeue whose rank 0
     runs on another node would find no checkpoint there and start over, at every requeue."""
-    probe = [f"{path}.{socket.gethostname()}-{os.getpid()}.probe"]  # rank 0's name: this run's
+    probe = [f"{path}.{socket.gethostname()}-{os.getpid()}.probe", None]  # rank 0's name, error
     if dist.get_rank() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # as save_checkpoint()
-        open(probe[0], "w").close()
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # as when saving
+            open(probe[0], "w").close()
+        except OSError as error:  # a read-only mount, a full disk, a file in the path
+            probe[1] = f"{type(error).__name__}: {error}"
     dist.broadcast_object_list(probe, src=0, group=group)  # DDP: sent once the file is there
+    if probe[1]:
+        exit_with_error(f"cannot write beside the checkpoint {path}: {probe[1]}",
+                        dist.get_rank() == 0)
     every_seen = [None] * dist.get_world_size()
     this_seen = (socket.gethostname(), os.path.exists(probe[0]))
     dist.all_gather_object(every_seen, this_seen, group=group)
@@ -706,71 +718,76 @@ def check_sample_order(path, resumed, progress):
 
 
 CHECK_STEPS = 20  # --check's timed optimizer steps, after one that warms up
-SIGNAL_LEAD_SECONDS = 120  # submit.sh's --signal=USR2@120: a stop and its save must fit in it
+DDP_BUCKET_BYTES = 25 * 2**20  # what each of DDP's all-reduces sends (its bucket_cap_mb)
 
 
-def check_job(args, rank, local_rank, world_size):
-    """SLURM: --check: meets what the full job would, at its size, in about a minute, and says
-    whether it would run: every launch check, each node, the data, the checkpoint folder, a few
-    steps of the model, an all-reduce of its size and a save, timed. Writes no checkpoint; ends
-    with one line and exit code 1 where the job would fail or lose its stops."""
-    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")  # NCCL's transport, logged
-    device, gloo_group = setup(rank, local_rank, world_size, args.collective_timeout)
-    train_loader, _ = make_loaders(args, rank, world_size, device, gloo_group)  # the data read
-    if args.checkpoint:
-        check_checkpoint_folder_shared(args.checkpoint, gloo_group)
-    gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
-    this_task = (socket.gethostname(), host_address(),
-                 f"{gpu.name}, PCI bus {gpu.pci_bus_id}" if gpu else "cpu",
-                 len(os.sched_getaffinity(0)), args.workers, torch.get_num_threads())
-    every_task = [None] * world_size
-    dist.all_gather_object(every_task, this_task, group=gloo_group)
-    torch.manual_seed(args.seed)
-    model = Net().to(device)
+def check_job(args, model, train_loader, optimizer, checkpointed, device, gloo_group):
+    """SLURM: --check, from train() once the launch checks, the data, the checkpoint folder and a
+    resume have passed, with train()'s model, optimizer and checkpointed: a few steps, an
+    all-reduce and a save, timed, a line per node and a verdict. Saves nothing; returns 0, or ends
+    with one line and exit code 1 where a stop and its save would not fit the signal's lead."""
+    os.environ.setdefault("NCCL_DEBUG", "INFO")  # NCCL's transport in the log (before DDP's first)
+    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
-    optimizer = make_optimizer(model, args)
-    batches, sums = iter(train_loader), torch.zeros(3, dtype=torch.float64, device=device)
-    # The first step allocates and warms up: not timed. Then at most an epoch's steps.
-    train_step(args, ddp_model, batches, args.accumulate, optimizer, device, sums)
-    steps = min(CHECK_STEPS, len(train_loader) // args.accumulate - 1)
-    max_over_ranks([0], device)  # waits for the GPU and every rank
+    gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    this_task = (socket.gethostname(), host_address(socket.gethostname()),
+                 f"{gpu.name}, PCI bus {gpu.pci_bus_id}" if gpu else "cpu",
+                 len(os.sched_getaffinity(0)), args.workers, torch.get_num_threads())
+    every_task = [None] * dist.get_world_size()
+    dist.all_gather_object(every_task, this_task, group=gloo_group)
+    # The loader's batches, from its start again where an epoch has fewer steps than the check.
+    batches = (batch for _ in range((CHECK_STEPS + 1) * args.accumulate) for batch in train_loader)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    train_step(args, ddp_model, batches, args.accumulate, optimizer, device, sums)  # warms up
+    max_over_ranks([0], device)  # waits for the GPU's queued work, and for every rank
     started = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(CHECK_STEPS):
         train_step(args, ddp_model, batches, args.accumulate, optimizer, device, sums)
-    step_seconds = max_over_ranks([(time.perf_counter() - started) / steps], device)[0]
-    buffer = torch.cat([parameter.detach().flatten() for parameter in model.parameters()])
-    began = time.perf_counter()
+    max_over_ranks([0], device)
+    step_seconds = (time.perf_counter() - started) / CHECK_STEPS
+    peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if gpu else 0
+    bucket = torch.ones(DDP_BUCKET_BYTES // 4, device=device)
+    started = time.perf_counter()
     for _ in range(5):
-        dist.all_reduce(buffer)
-    allreduce_seconds = max_over_ranks([(time.perf_counter() - began) / 5], device)[0]
-    began = time.perf_counter()
-    if args.checkpoint and rank == 0:  # beside the checkpoint, then removed
-        save_checkpoint(f"{args.checkpoint}.check", {"model": model, "optimizer": optimizer}, {})
+        dist.all_reduce(bucket)
+    max_over_ranks([0], device)
+    allreduce_seconds = (time.perf_counter() - started) / 5
+    started = time.perf_counter()
+    if args.checkpoint and dist.get_rank() == 0:  # beside the checkpoint, then removed
+        save_checkpoint(f"{args.checkpoint}.check", checkpointed, {})
         os.remove(f"{args.checkpoint}.check")
-    save_seconds = max_over_ranks([time.perf_counter() - began], device)[0]
-    peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
-    if rank == 0:
+    dist.barrier(group=gloo_group)  # DDP: the others wait until the save is complete
+    save_seconds = time.perf_counter() - started
+    step_seconds, allreduce_seconds, save_seconds = max_over_ranks(
+        [step_seconds, allreduce_seconds, save_seconds], device)  # the same verdict on every rank
+    if dist.get_rank() == 0:
         for host in dict.fromkeys(task[0] for task in every_task):  # one line a node
-            tasks = [(rank, *task[2:]) for rank, task in enumerate(every_task) if task[0] == host]
-            print(f"node {host} ({every_task[tasks[0][0]][1]}): (rank, device, cores, workers, "
+            tasks = [(task_rank, *task[2:]) for task_rank, task in enumerate(every_task)
+                     if task[0] == host]
+            address = next(task[1] for task in every_task if task[0] == host)
+            print(f"node {host} (its name resolves to {address}): (rank, device, cores, workers, "
                   f"threads) {tasks}", flush=True)
-        # NCCL's ring all-reduce moves 2 (n - 1) / n of the buffer through each rank's link.
-        bus_gb_per_s = buffer.nbytes * 2 * (world_size - 1) / world_size / allreduce_seconds / 1e9
+        # A ring all-reduce sends 2 (n - 1) / n of the buffer over each rank's link.
+        world_size = dist.get_world_size()
+        bus_gb_per_s = DDP_BUCKET_BYTES * 2 * (world_size - 1) / world_size / allreduce_seconds
         print(f"check: {world_size} ranks, {len(set(task[0] for task in every_task))} nodes, "
               f"{args.batch_size * args.accumulate * world_size / step_seconds:.0f} samples/s, "
-              f"peak GPU memory {peak_memory:.1f} GiB, all-reduce of {buffer.nbytes / 1e6:.1f} MB "
-              f"in {allreduce_seconds * 1e3:.1f} ms ({bus_gb_per_s:.2f} GB/s bus), "
-              f"a save in {save_seconds:.1f} s", flush=True)
+              f"peak GPU memory {peak_memory:.1f} GiB, all-reduce of DDP's "
+              f"{DDP_BUCKET_BYTES / 1e6:.1f} MB bucket in {allreduce_seconds * 1e3:.1f} ms "
+              f"({bus_gb_per_s / 1e9:.2f} GB/s bus), a save in {save_seconds:.1f} s"
+              + ("" if args.checkpoint else " (no --checkpoint: none)"), flush=True)
     stop_seconds = STOP_CHECK_SECONDS + step_seconds + save_seconds
     if stop_seconds > SIGNAL_LEAD_SECONDS:
         exit_with_error(f"a stop would take {stop_seconds:.0f} s (the stop check, a step, the "
-                        f"save), more than the signal's {SIGNAL_LEAD_SECONDS} s lead: raise it "
-                        "(--signal=USR2@N)", rank == 0)
-    if rank == 0:
-        print("check passed: the job would run", flush=True)
-    dist.destroy_process_group()
-
+                        f"save), more than the signal's {SIGNAL_LEAD_SECONDS} s lead: raise "
+                        "SIGNAL_LEAD_SECONDS (05: and submit.sh's --signal=USR2@N to match)",
+                        dist.get_rank() == 0)
+    if dist.get_rank() == 0:
+        print(f"check passed: a stop takes {stop_seconds:.0f} s of the signal's "
+              f"{SIGNAL_LEAD_SECONDS} s lead (a preemption's: the partition's GraceTime)",
+              flush=True)
+    return 0
 
 if __name__ == "__main__":
     main()

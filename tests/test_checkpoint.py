@@ -231,3 +231,14 @@ def test_a_resume_says_which_flags_differ_from_the_checkpoints(tmp_path, capsys)
                                    r"--epochs 1 -> 2, --lr 0.01 -> 0.02, --cosine False -> True$", output, re.M), output
     code, output = train_in_process("05_ddp_slurm", other, capsys)  # epoch 2's checkpoint holds these flags
     assert code == 0 and re.search(r"^resumed from \S+ at epoch 3 step 0$", output, re.M), output
+
+
+def test_a_checkpoint_folder_that_rank_0_cannot_write_ends_with_one_line(tmp_path, capsys):
+    """05 (and 06): rank 0 makes its file beside the checkpoint before any rank loads it; a folder it cannot make or
+    write (a read-only mount, a full disk, a file in the path) ends every rank with rank 0's one line, where rank 0
+    raised a traceback and the others one of Gloo's."""
+    (tmp_path / "afile").write_text("")
+    code, output = train_in_process("05_ddp_slurm", [*SYNTHETIC, "--checkpoint", str(tmp_path / "afile" / "c.pt")],
+                                    capsys)
+    assert code == 1 and re.fullmatch(rf"error: cannot write beside the checkpoint {tmp_path}/afile/c.pt: "
+                                      r"(FileExistsError|NotADirectoryError): .*\n", output), output

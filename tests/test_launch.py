@@ -167,6 +167,22 @@ def test_a_missing_checkpoint_folder_is_refused_in_one_line(monkeypatch, capsys,
     module.check_launch(str(tmp_path / "missing" / "ckpt.pt"), 0)
 
 
+@pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
+def test_a_master_addr_that_does_not_resolve_is_refused_in_one_line(monkeypatch, tmp_path, step):
+    """On several nodes, a MASTER_ADDR that a node cannot resolve (a NodeName that is no host name there) left torch's
+    store retrying until --collective-timeout. On one node the check does not run."""
+    module = load_step_module(step)
+    for name, value in dict(SLURM_JOB_ID="42", MASTER_ADDR="no-such-node.invalid", GLOO_SOCKET_IFNAME="eth0").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SLURM_NNODES", "1")
+    module.check_launch(str(tmp_path / "ckpt.pt"), 1)
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    with pytest.raises(SystemExit) as stopped:
+        module.check_launch(str(tmp_path / "ckpt.pt"), 1)
+    assert str(stopped.value) == (f"error: task 1 on {socket.gethostname()}: MASTER_ADDR no-such-node.invalid does not "
+                                  "resolve here")
+
+
 def test_06_writes_the_account_no_wckey_and_the_container_into_its_job(tmp_path):
     """The batch script that submitit writes for 06 (an sbatch that keeps it and refuses to submit): the sbatch
     options a site requires (--sbatch, repeated: an account, a QOS, memory per GPU, --exclusive), no wckey unless

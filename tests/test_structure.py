@@ -13,7 +13,7 @@ from conftest import REPO, STEPS
 # of consecutive steps that must hold it byte for byte. A new step-specific change belongs in this table.
 ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "SET_BY_06", "check_submission_flags",
          "load_datasets", "Net", "METRIC", "loss_and_metric", "make_optimizer", "get_lr",
-         "STOP_SIGNALS", "REQUEUE_EXIT_CODE", "STOP_CHECK_SECONDS", "MAX_STALLED_RUNS",
+         "STOP_SIGNALS", "REQUEUE_EXIT_CODE", "STOP_CHECK_SECONDS", "MAX_STALLED_RUNS", "SIGNAL_LEAD_SECONDS",
          "noted_stop_signals", "catch_stop_signals",
          "stop_signal_received", "max_over_ranks", "ResumableSampler", "start_progress", "save_inside_epoch",
          "make_loaders", "train_step", "train_one_epoch", "evaluate", "save_checkpoint", "load_checkpoint",
@@ -21,7 +21,7 @@ ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "SET_BY_06", "ch
          # The site checks, set apart at the end of the file.
          "check_same_checkpoint", "tasks_on_node", "gpus_on_node", "check_launch",
          "host_address", "check_checkpoint_folder_shared", "check_gpus_not_shared", "check_sample_order",
-         "CHECK_STEPS", "SIGNAL_LEAD_SECONDS", "check_job"]
+         "CHECK_STEPS", "DDP_BUCKET_BYTES", "check_job"]
 SHARED = {
     "METRIC": ["01 02 03 04 05 06"],
     "loss_and_metric": ["01 02 03 04 05 06"],
@@ -57,6 +57,7 @@ SHARED = {
     "host_address": ["05 06"],
     "check_checkpoint_folder_shared": ["05 06"],
     "CHECK_STEPS": ["05 06"],
+    "DDP_BUCKET_BYTES": ["05 06"],
     "SIGNAL_LEAD_SECONDS": ["05 06"],
     "check_job": ["05 06"],
     "check_gpus_not_shared": ["05 06"],
