@@ -44,6 +44,7 @@ MASTER_PORT=${MASTER_PORT:-$(for ((i = 0; i < 12000; i++)); do
   port=$((20000 + (SLURM_JOB_ID + i) % 12000))
   (: </dev/tcp/127.0.0.1/$port) 2>/dev/null || { echo $port; break; }; done)}
 export MASTER_ADDR MASTER_PORT
+export REQUEUE_ON_144=1  # for train.py's stop line: this script requeues on 144 (srun by hand: no)
 # The task's cores, split so that nothing runs on top of anything else: data-loader workers (one
 # core each) and the main process's threads. Half are workers (8 cores: 4 workers, 4 threads; 1:
 # none), or as many as --workers N after the script says, and the threads get the rest (at least

@@ -360,10 +360,10 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
         exit_code = 1
         outcome = ("no --checkpoint, so nothing is saved; exit code 1, not requeued (it would "
                    "start over)")
-    elif "TORCHELASTIC_RUN_ID" in os.environ:  # 05 tried under torchrun (its page)
+    elif not os.environ.get("REQUEUE_ON_144"):  # torchrun (05's page), or srun by hand
         exit_code = REQUEUE_EXIT_CODE
-        outcome = (f"{saved}, exit code {REQUEUE_EXIT_CODE}: nothing requeues under torchrun, the "
-                   "same command resumes")
+        outcome = (f"{saved}, exit code {REQUEUE_EXIT_CODE}: nothing requeues on it here (started "
+                   "without submit.sh), the same command resumes")
     elif stalled_runs < MAX_STALLED_RUNS:  # submit.sh requeues the job on this code
         exit_code = REQUEUE_EXIT_CODE
         outcome = f"{saved}, exit code {REQUEUE_EXIT_CODE} to be requeued"
@@ -566,10 +566,10 @@ def train(args, rank, world_size, device, gloo_group):
     peak_lrs = [group["lr"] for group in optimizer.param_groups]  # this run's, not a checkpoint's
     # What a checkpoint holds and a resume restores, by name: add yours (01's page: an EMA).
     checkpointed = {"model": model, "optimizer": optimizer}
-    if args.checkpoint:  # SLURM: a site check (the end of this file)
-        check_checkpoint_folder_shared(args.checkpoint, gloo_group)
     resumed = load_checkpoint(args.checkpoint, checkpointed) if args.checkpoint else None
     check_same_checkpoint(args.checkpoint, resumed, gloo_group)  # DDP: a site check (the end)
+    if args.checkpoint:  # SLURM: a site check too
+        check_checkpoint_folder_shared(args.checkpoint, gloo_group)
     progress = start_progress(args, resumed, world_size, len(train_loader.dataset))  # SLURM
     if args.check:  # SLURM: the rest of a --check job (the end of this file)
         return check_job(args, model, train_loader, optimizer, checkpointed, device, gloo_group)
@@ -684,6 +684,7 @@ def main():
     for name in stale:
         os.environ.pop(name, None)
     executor = make_executor(args)
+    os.environ["REQUEUE_ON_144"] = "1"  # submitit: its batch script (local: its runner) requeues
     # SLURM: the checkpoint folder, made on the host: check_launch() refuses a missing one.
     if executor.cluster == "slurm":
         checkpoint_dir = "checkpoints"

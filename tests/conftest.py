@@ -256,7 +256,8 @@ def free_port():
 def slurm_task_env(rank, world_size, port, job_id="4242", **extra):
     """What srun gives each task of a one-node job, plus what submit.sh exports (and extra)."""
     return child_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world_size),
-                     SLURM_STEP_ID="0", SLURM_JOB_ID=job_id, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra)
+                     SLURM_STEP_ID="0", SLURM_JOB_ID=job_id, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                     REQUEUE_ON_144="1", **extra)
 
 
 def run_slurm_tasks(args, world_size=2, timeout=120, **env):

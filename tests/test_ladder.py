@@ -17,8 +17,10 @@ def test_step_trains_and_prints_once_per_epoch(ladder, step):
     [first] = runs.first.epochs()  # exactly one epoch line: only global rank 0 prints it
     [second] = runs.second.epochs()
     assert (first["epoch"], first["epochs"], second["epoch"], second["epochs"]) == (1, 1, 2, 2)
-    resumed = "after epoch 1" if step < "05" else "at epoch 2 step 0"  # 05 on: the step inside an epoch too
-    assert f"resumed from {runs.final} {resumed}\n" in runs.second.output, runs.second
+    # 05 on: the step inside an epoch too, and the flags that differ from the checkpoint's (the first: --epochs)
+    resumed = ("after epoch 1\n" if step < "05" else
+               "at epoch 2 step 0; flags that differ from the checkpoint's: --epochs 1 -> 2")
+    assert f"resumed from {runs.final} {resumed}" in runs.second.output, runs.second
     assert runs.second.output.count("resumed from") == 1
     assert second["loss"] < 0.8 * first["loss"], (first, second)  # the loss falls
     assert first["acc"] > 50 and second["acc"] > first["acc"] - 1, (first, second)  # chance is 10%

@@ -503,14 +503,17 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_05_under_torchrun_says_that_nothing_requeues(monkeypatch, capsys, tmp_path):
-    """05 tried under torchrun, as its page suggests before a Slurm job: a stop saves the step, and the stop line
-    says that nothing requeues it and how to resume, where it said "exit code 144 to be requeued"."""
-    monkeypatch.setattr(signal, "sigpending", lambda: {signal.SIGTERM})  # a SIGTERM to torchrun, passed on
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # what torchrun's agent sets in every worker
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+@pytest.mark.parametrize("requeue_on_144", ["", "1"])
+def test_05_started_without_submit_sh_says_that_nothing_requeues(monkeypatch, capsys, tmp_path, requeue_on_144):
+    """05 tried under torchrun, as its page suggests before a Slurm job, or started by hand with srun inside an
+    allocation: a stop saves the step, and the stop line says that nothing requeues it and how to resume, where it
+    said "exit code 144 to be requeued". submit.sh (and 06's launcher) export REQUEUE_ON_144=1: then it is."""
+    monkeypatch.setattr(signal, "sigpending", lambda: {signal.SIGUSR2})  # as scancel --signal=USR2 sends it
+    monkeypatch.setenv("REQUEUE_ON_144", requeue_on_144)
     code, output = train_in_process("05_ddp_slurm", [*SYNTHETIC, "--checkpoint", str(tmp_path / "ckpt.pt")], capsys)
     stops = [line for line in output.splitlines() if line.startswith("stopped")]
+    outcome = "to be requeued" if requeue_on_144 else (": nothing requeues on it here (started without submit.sh), "
+                                                        "the same command resumes")
     assert code == REQUEUE_CODE and len(stops) == 1 and re.fullmatch(
-        r"stopped at epoch 1 step 0 on SIGTERM: saved in [\d.]+ s, exit code 144: nothing requeues under "
-        r"torchrun, the same command resumes", stops[0]), output
+        r"stopped at epoch 1 step 0 on SIGUSR2: saved in [\d.]+ s, exit code 144" + re.escape(
+            f"{' ' if requeue_on_144 else ''}{outcome}"), stops[0]), output
