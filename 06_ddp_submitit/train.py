@@ -323,7 +323,7 @@ def start_progress(args, resumed, world_size, train_samples):
         saved_flags = resumed.get("flags", {})
         changed_flags = ", ".join(f"--{flag.replace('_', '-')} {saved_flags[flag]} -> {value}"
                                   for flag, value in progress["flags"].items()
-                                  if saved_flags.get(flag, value) != value)
+                                  if saved_flags.get(flag, value) != value and flag != "check")
         line = (f"resumed from {args.checkpoint} at epoch {progress['epoch'] + 1} "
                 f"step {progress['step']}")
         if changed_flags:
@@ -368,8 +368,8 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
         exit_code = REQUEUE_EXIT_CODE
         outcome = f"{saved}, exit code {REQUEUE_EXIT_CODE} to be requeued"
         if stop_signal == signal.SIGTERM:  # a preemption's, or a scancel's (ends the batch script)
-            outcome += (" (a scancel's is not: a new job resumes with --checkpoint "
-                        f"{args.checkpoint})")
+            outcome += ("; after a scancel it is not: resume in a new job with --checkpoint "
+                        f"{args.checkpoint}")
     else:  # a time limit that start-up and the signal's lead use up would requeue the job for ever
         exit_code = 1
         outcome = (f"{saved}, exit code 1, not requeued: {stalled_runs} runs in a row made no "
@@ -890,6 +890,8 @@ def check_job(args, model, train_loader, optimizer, checkpointed, device, gloo_g
     step_seconds = (time.perf_counter() - started) / CHECK_STEPS
     peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if gpu else 0
     bucket = torch.ones(DDP_BUCKET_BYTES // 4, device=device)
+    dist.all_reduce(bucket)  # NCCL may connect its ring at a size's first all-reduce: not timed
+    max_over_ranks([0], device)
     started = time.perf_counter()
     for _ in range(5):
         dist.all_reduce(bucket)
@@ -901,8 +903,9 @@ def check_job(args, model, train_loader, optimizer, checkpointed, device, gloo_g
         os.remove(f"{args.checkpoint}.check")
     dist.barrier(group=gloo_group)  # DDP: the others wait until the save is complete
     save_seconds = time.perf_counter() - started
-    step_seconds, allreduce_seconds, save_seconds = max_over_ranks(
-        [step_seconds, allreduce_seconds, save_seconds], device)  # the same verdict on every rank
+    # The slowest rank's, the same on every rank: one verdict for all.
+    step_seconds, allreduce_seconds, save_seconds, peak_memory = max_over_ranks(
+        [step_seconds, allreduce_seconds, save_seconds, peak_memory], device)
     if dist.get_rank() == 0:
         for host in dict.fromkeys(task[0] for task in every_task):  # one line a node
             tasks = [(task_rank, *task[2:]) for task_rank, task in enumerate(every_task)
@@ -916,7 +919,7 @@ def check_job(args, model, train_loader, optimizer, checkpointed, device, gloo_g
         print(f"check: {world_size} ranks, {len(set(task[0] for task in every_task))} nodes, "
               f"{args.batch_size * args.accumulate * world_size / step_seconds:.0f} samples/s, "
               f"peak GPU memory {peak_memory:.1f} GiB, all-reduce of DDP's "
-              f"{DDP_BUCKET_BYTES / 1e6:.1f} MB bucket in {allreduce_seconds * 1e3:.1f} ms "
+              f"{DDP_BUCKET_BYTES / 2**20:.0f} MiB bucket in {allreduce_seconds * 1e3:.1f} ms "
               f"({bus_gb_per_s / 1e9:.2f} GB/s bus), a save in {save_seconds:.1f} s"
               + ("" if args.checkpoint else " (no --checkpoint: none)"), flush=True)
     stop_seconds = STOP_CHECK_SECONDS + step_seconds + save_seconds
@@ -926,9 +929,8 @@ def check_job(args, model, train_loader, optimizer, checkpointed, device, gloo_g
                         "SIGNAL_LEAD_SECONDS (05: and submit.sh's --signal=USR2@N to match)",
                         dist.get_rank() == 0)
     if dist.get_rank() == 0:
-        print(f"check passed: a stop takes {stop_seconds:.0f} s of the signal's "
-              f"{SIGNAL_LEAD_SECONDS} s lead (a preemption's: the partition's GraceTime)",
-              flush=True)
+        print(f"check passed: a stop takes {stop_seconds:.0f} s; the time limit's signal gives "
+              f"{SIGNAL_LEAD_SECONDS} s, a preemption the partition's GraceTime", flush=True)
     return 0
 
 if __name__ == "__main__":

@@ -234,7 +234,7 @@ def test_a_resume_says_which_flags_differ_from_the_checkpoints(tmp_path, capsys)
 
 
 def test_a_checkpoint_folder_that_rank_0_cannot_write_ends_with_one_line(tmp_path, capsys):
-    """05 (and 06): rank 0 makes its file beside the checkpoint before any rank loads it; a folder it cannot make or
+    """05 (and 06): rank 0 makes a file beside the checkpoint, which every rank must see; a folder it cannot make or
     write (a read-only mount, a full disk, a file in the path) ends every rank with rank 0's one line, where rank 0
     raised a traceback and the others one of Gloo's."""
     (tmp_path / "afile").write_text("")

@@ -348,8 +348,8 @@ def test_scancel_saves_the_step_and_a_new_job_resumes_there(slurm, submit_sh_run
     assert stops == [(1, 10)] and "requeueing" not in log, log
     step = 10
     # The stop line says what follows a scancel, where it said "exit code 144 to be requeued" alone.
-    assert re.search(rf"^stopped at epoch 2 step \d+ on SIGTERM: saved in .*, exit code 144 to be requeued \(a "
-                     rf"scancel's is not: a new job resumes with --checkpoint {checkpoint}\)$", log, re.M), log
+    assert re.search(rf"^stopped at epoch 2 step \d+ on SIGTERM: saved in .*, exit code 144 to be requeued; after a "
+                     rf"scancel it is not: resume in a new job with --checkpoint {checkpoint}$", log, re.M), log
     assert [state.split()[0] for state in accounted_runs(job_id)] == ["CANCELLED"], accounted_runs(job_id)
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
     assert (saved["epoch"], saved["step"]) == (1, step)
