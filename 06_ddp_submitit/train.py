@@ -423,9 +423,10 @@ def train_step(args, model, batches, micro_batches, optimizer, device, sums):
 def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
     """Trains progress["epoch"] from step progress["step"] to its end, or until the ranks stop
     together (SLURM: a stop signal, or --save-every minutes); adds to progress what it trained.
-    Returns (samples trained, the stop signal a rank had or 0)."""
+    Returns (samples trained, the stop signal a rank had or 0, whether a --save-every save is
+    due)."""
     model.train()
-    epoch, stop_signal = progress["epoch"], 0
+    epoch, stop_signal, save_due = progress["epoch"], 0, False
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
     logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
     batches = iter(loader)  # draws the workers' seeds: from train()'s seeding, not a step's
@@ -474,7 +475,7 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
     dist.all_reduce(sums)  # DDP: sum over ranks, so that rank 0 reports the global mean loss
     progress["loss_sum"] += sums[0].item()
     progress["count"] += sums[1].item()
-    return int(sums[2]), int(stop_signal)
+    return int(sums[2]), int(stop_signal), bool(save_due)
 
 
 @torch.no_grad()
@@ -584,12 +585,12 @@ def train(args, rank, world_size, device, gloo_group):
         while progress["step"] < steps_per_epoch:  # SLURM: in parts, ending at a save or a stop
             skip = progress["step"] * args.batch_size * args.accumulate  # SLURM: trained already
             train_loader.sampler.set_epoch(epoch, skip)  # DDP: else each epoch repeats the order
-            trained, stop_signal = train_one_epoch(args, ddp_model, train_loader, optimizer,
-                                                   peak_lrs, device, progress)
+            trained, stop_signal, save_due = train_one_epoch(args, ddp_model, train_loader,
+                                                             optimizer, peak_lrs, device, progress)
             samples += trained
             if stop_signal:  # SLURM: all ranks stopped at this step: save it, and end
                 return save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)
-            if progress["step"] < steps_per_epoch:  # SLURM: --save-every: save, and go on
+            if save_due:  # SLURM: --save-every: save, and go on
                 save_inside_epoch(args, checkpointed, progress, None, gloo_group)
         train_time = time.perf_counter() - start
         # -1: the seed of no training step, so that evaluation draws numbers of its own.

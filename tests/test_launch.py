@@ -405,6 +405,7 @@ def test_06_refuses_a_launch_folder_whose_module_would_stand_in_for_it(monkeypat
     def submit(*_):
         raise Submitted
     monkeypatch.setattr(module, "make_executor", lambda args: Namespace(cluster="local", submit=submit))
+    monkeypatch.setenv("REQUEUE_ON_144", "")  # main() sets it: restored after the test
     with pytest.raises(SystemExit) as refused:
         module.main()
     assert refused.value.code == (f"error: {tmp_path}/train.py would be imported in the job instead of "

@@ -481,10 +481,11 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
         # 1000 steps of 2 ms: not a check every step or every 10, but one per interval once the spacing has
         # doubled up to it, and never more than an interval and a step apart.
         done = progress()
-        samples, signum = module.train_one_epoch(args, model, DataLoader(SlowData(clock, 0.0005, 4000), batch_size=4),
-                                                 optimizer, **cpu, progress=done)
+        samples, signum, save_due = module.train_one_epoch(
+            args, model, DataLoader(SlowData(clock, 0.0005, 4000), batch_size=4), optimizer, **cpu, progress=done)
         gaps = [later - earlier for earlier, later in zip(checks, checks[1:])]
-        assert done["step"] == 1000 and signum == 0 and samples == 4000  # not stopped: the epoch's end
+        # Not stopped: the epoch's end.
+        assert done["step"] == 1000 and (signum, save_due) == (0, False) and samples == 4000
         assert len(checks) < 1000 / 50 and 0.5 - 0.002 <= max(gaps) <= 0.5 + 0.002 + 1e-9, checks
 
         # Steps of 0.2 s, and a stop signal once the clock passes 2 s: the ranks stop at the first check after it,
@@ -494,10 +495,21 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
         stop = lambda now: (now >= requested and not module.noted_stop_signals  # noqa: E731
                             and module.noted_stop_signals.append(signal.SIGUSR2))
         stopped = progress()
-        samples, signum = module.train_one_epoch(
+        samples, signum, save_due = module.train_one_epoch(
             args, model, DataLoader(SlowData(clock, 0.05, 400, stop), batch_size=4), optimizer, **cpu, progress=stopped)
         assert stopped["step"] < 100 and 0 < samples < 400 and signum == signal.SIGUSR2, (stopped, samples)
-        assert 0 <= checks[-1] - requested <= 0.5 + 0.2 + 1e-9, checks  # one interval + a step
+        assert not save_due and 0 <= checks[-1] - requested <= 0.5 + 0.2 + 1e-9, checks  # one interval + a step
+
+        # --save-every 1/60 min, steps of 0.2 s, no signal: the ranks stop together at the first check from 1 s on,
+        # with a save due (train() saves and goes on).
+        checks.clear()
+        clock.now = 0.0
+        module.noted_stop_signals.clear()
+        args.save_every = 1 / 60
+        due = progress()
+        samples, signum, save_due = module.train_one_epoch(
+            args, model, DataLoader(SlowData(clock, 0.05, 400), batch_size=4), optimizer, **cpu, progress=due)
+        assert (signum, save_due) == (0, True) and 5 <= due["step"] < 100 and samples == 4 * due["step"], due
     finally:
         module.noted_stop_signals.clear()
         dist.destroy_process_group()

@@ -22,6 +22,7 @@ def test_the_third_run_in_a_row_without_progress_ends_the_job(monkeypatch, capsy
     at 0."""
     pending, when = set(), {}
     monkeypatch.setattr(signal, "sigpending", lambda: set(pending))  # what stop_signal_received() finds
+    monkeypatch.setenv("REQUEUE_ON_144", "1")  # a job of submit.sh, which requeues on 144
     save = torch.save
 
     def save_then_stop(*args, **kwargs):  # the end-of-epoch checkpoint written, then the signal
@@ -70,6 +71,7 @@ def test_preemptions_before_any_progress_do_not_end_the_job(monkeypatch, capsys,
     stop counted, the third preemption in a row ended the job with exit code 1.)"""
     pending = set()
     monkeypatch.setattr(signal, "sigpending", lambda: set(pending))  # what stop_signal_received() finds
+    monkeypatch.setenv("REQUEUE_ON_144", "1")  # a job of submit.sh, which requeues on 144
     checkpoint, runs = tmp_path / "ckpt.pt", []
     stops = [signal.SIGTERM] * 4 + [signal.SIGUSR2, signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR2]
     for restart, stop in enumerate(stops):  # a new job, then its requeues, each stopped before its first step
