@@ -219,6 +219,16 @@ def test_06_refuses_tasks_that_do_not_match_the_gpus():
         "train.py: error: --tasks-per-node 4 for --gpus-per-node 8: one per GPU"), done.stderr
 
 
+class Started(Exception):
+    """Raised by the stand-in setup() with (rank, local_rank, world_size): the task got that far."""
+
+
+def stop_at_setup(monkeypatch, module):
+    def setup(rank, local_rank, world_size, timeout):
+        raise Started(rank, local_rank, world_size)
+    monkeypatch.setattr(module, "setup", setup)
+
+
 def test_05_under_torchrun_inside_an_allocation_runs_no_slurm_check(monkeypatch):
     """A copy of 05 tried with the page's torchrun command in a shell of an allocation with 2 GPUs (`srun --pty
     --gres=gpu:2 bash`: Slurm's variables say 1 task and 2 GPUs) starts under torchrun's layout; Slurm's task counts
@@ -233,13 +243,7 @@ def test_05_under_torchrun_inside_an_allocation_runs_no_slurm_check(monkeypatch)
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", ["05_ddp_slurm/train.py", "--dataset", "synthetic"])
     monkeypatch.setattr(module, "catch_stop_signals", lambda: None)  # not in the test's own process
-
-    class Started(Exception):
-        pass
-
-    def setup(rank, local_rank, world_size, timeout):
-        raise Started(rank, local_rank, world_size)
-    monkeypatch.setattr(module, "setup", setup)
+    stop_at_setup(monkeypatch, module)
     with pytest.raises(Started) as started:
         module.main()
     assert started.value.args == (1, 1, 2)  # torchrun's place, not Slurm's (rank 0 of 1)
@@ -377,13 +381,7 @@ def test_06_local_on_a_gpu_machine_runs_no_slurm_check(monkeypatch, tmp_path, gp
     task = Namespace(rank=1, local_rank=1, world_size=2)  # what submitit's local runner gives task 1
     monkeypatch.setattr(module.submitit.helpers, "TorchDistributedEnvironment",
                         lambda: Namespace(export=lambda **_: task))
-
-    class Started(Exception):
-        pass
-
-    def setup(rank, local_rank, world_size, timeout):
-        raise Started(rank, local_rank, world_size)
-    monkeypatch.setattr(module, "setup", setup)
+    stop_at_setup(monkeypatch, module)
     with pytest.raises(Started) as started:
         module.run(args)
     assert started.value.args == (1, 1, 2)
