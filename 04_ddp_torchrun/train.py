@@ -383,7 +383,7 @@ def check_same_checkpoint(path, resumed, group):
     if failed:  # rank 0 says why the first of them could not use the file
         exit_with_error(f"cannot resume from {path} (rank {failed[0]}): "
                         f"{every_resumed[failed[0]]['error']}", dist.get_rank() == 0)
-    # Compared as text: a NaN loss sum is not equal to itself.
+    # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.
     if repr(resumed) != repr(every_resumed[0]):  # the rank that differs says what it found
         found = [(p["epoch"], p.get("step", 0)) if p else "no file" for p in every_resumed]
         sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds another "

@@ -90,6 +90,9 @@ def parse_args():
         parser.error("--warmup must be at least 0 and below 1")
     if not args.collective_timeout > 0:
         parser.error("--collective-timeout must be above 0 seconds")
+    if args.check:  # SLURM: NCCL logs the transport it takes, if set before its first call
+        os.environ.setdefault("NCCL_DEBUG", "INFO")
+        os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
     # SLURM: a relative --checkpoint is the submit folder's, not the working folder's (in a
     # container, one that is thrown away). The folder must be there: else the file is lost too.
     if args.checkpoint and "SLURM_SUBMIT_DIR" in os.environ:
@@ -296,21 +299,21 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
         exit_code = 1
         outcome = ("no --checkpoint, so nothing is saved; exit code 1, not requeued (it would "
                    "start over)")
+    elif stalled_runs >= MAX_STALLED_RUNS:  # a time limit that start-up and the lead use up would
+        exit_code = 1                      # requeue the job for ever, whichever script requeues it
+        outcome = (f"{saved}, exit code 1, not requeued: {stalled_runs} runs in a row made no "
+                   "step or evaluation before the time limit's signal (a time limit below "
+                   "start-up + the signal's lead)")
     elif not os.environ.get("REQUEUE_ON_144"):  # torchrun (05's page), or srun by hand
         exit_code = REQUEUE_EXIT_CODE
         outcome = (f"{saved}, exit code {REQUEUE_EXIT_CODE}: nothing requeues on it here (started "
                    "without submit.sh), the same command resumes")
-    elif stalled_runs < MAX_STALLED_RUNS:  # submit.sh requeues the job on this code
+    else:  # submit.sh requeues the job on this code
         exit_code = REQUEUE_EXIT_CODE
         outcome = f"{saved}, exit code {REQUEUE_EXIT_CODE} to be requeued"
         if stop_signal == signal.SIGTERM:  # a preemption's, or a scancel's (ends the batch script)
             outcome += ("; after a scancel it is not: resume in a new job with --checkpoint "
                         f"{args.checkpoint}")
-    else:  # a time limit that start-up and the signal's lead use up would requeue the job for ever
-        exit_code = 1
-        outcome = (f"{saved}, exit code 1, not requeued: {stalled_runs} runs in a row made no "
-                   "step or evaluation before the time limit's signal (a time limit below "
-                   "start-up + the signal's lead)")
     if is_main:
         print(f"stopped at {where} on {signal.Signals(stop_signal).name}: {outcome}", flush=True)
     return exit_code
@@ -508,11 +511,12 @@ def train(args, rank, world_size, device, gloo_group):
     if args.checkpoint:  # SLURM: a site check too
         check_checkpoint_folder_shared(args.checkpoint, gloo_group)
     progress = start_progress(args, resumed, world_size, len(train_loader.dataset))  # SLURM
-    if args.check:  # SLURM: the rest of a --check job (the end of this file)
-        return check_job(args, model, train_loader, optimizer, checkpointed, device, gloo_group)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
+    if args.check:  # SLURM: the rest of a --check job (the end of this file)
+        return check_job(args, ddp_model, train_loader, optimizer, checkpointed, device,
+                         gloo_group)
     steps_per_epoch = math.ceil(len(train_loader) / args.accumulate)
     for epoch in range(progress["epoch"], args.epochs):
         # The data-loader workers' seeds (persistent workers': once per run). DDP: and by rank.
@@ -583,7 +587,7 @@ def check_same_checkpoint(path, resumed, group):
     if failed:  # rank 0 says why the first of them could not use the file
         exit_with_error(f"cannot resume from {path} (rank {failed[0]}): "
                         f"{every_resumed[failed[0]]['error']}", dist.get_rank() == 0)
-    # Compared as text: a NaN loss sum is not equal to itself.
+    # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.
     if repr(resumed) != repr(every_resumed[0]):  # the rank that differs says what it found
         found = [(p["epoch"], p.get("step", 0)) if p else "no file" for p in every_resumed]
         sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds another "
@@ -720,17 +724,14 @@ def check_sample_order(path, resumed, progress):
 
 CHECK_STEPS = 20  # --check's timed optimizer steps, after one that warms up
 DDP_BUCKET_BYTES = 25 * 2**20  # what each of DDP's all-reduces sends (its bucket_cap_mb)
+STOP_EXIT_SECONDS = 30  # a stopped job's exit and requeue, after its save (srun's --wait=30)
 
 
-def check_job(args, model, train_loader, optimizer, checkpointed, device, gloo_group):
+def check_job(args, ddp_model, train_loader, optimizer, checkpointed, device, gloo_group):
     """SLURM: --check, from train() once the launch checks, the data, the checkpoint folder and a
-    resume have passed, with train()'s model, optimizer and checkpointed: a few steps, an
+    resume have passed, with train()'s DDP model, optimizer and checkpointed: a few steps, an
     all-reduce and a save, timed, a line per node and a verdict. Saves nothing; returns 0, or ends
     with one line and exit code 1 where a stop and its save would not fit the signal's lead."""
-    os.environ.setdefault("NCCL_DEBUG", "INFO")  # NCCL's transport in the log (before DDP's first)
-    os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
     gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
     this_task = (socket.gethostname(), host_address(socket.gethostname()),
                  f"{gpu.name}, PCI bus {gpu.pci_bus_id}" if gpu else "cpu",
@@ -777,19 +778,21 @@ def check_job(args, model, train_loader, optimizer, checkpointed, device, gloo_g
         bus_gb_per_s = DDP_BUCKET_BYTES * 2 * (world_size - 1) / world_size / allreduce_seconds
         print(f"check: {world_size} ranks, {len(set(task[0] for task in every_task))} nodes, "
               f"{args.batch_size * args.accumulate * world_size / step_seconds:.0f} samples/s, "
-              f"peak GPU memory {peak_memory:.1f} GiB, all-reduce of DDP's "
+              f"peak GPU memory (PyTorch's) {peak_memory:.1f} GiB, all-reduce of DDP's "
               f"{DDP_BUCKET_BYTES / 2**20:.0f} MiB bucket in {allreduce_seconds * 1e3:.1f} ms "
               f"({bus_gb_per_s / 1e9:.2f} GB/s bus), a save in {save_seconds:.1f} s"
               + ("" if args.checkpoint else " (no --checkpoint: none)"), flush=True)
-    stop_seconds = STOP_CHECK_SECONDS + step_seconds + save_seconds
+    # At worst the signal comes during an end-of-epoch save, and the stop saves again; the tasks'
+    # exit and the requeue take up to STOP_EXIT_SECONDS more, all before the time limit.
+    stop_seconds = STOP_CHECK_SECONDS + step_seconds + 2 * save_seconds + STOP_EXIT_SECONDS
     if stop_seconds > SIGNAL_LEAD_SECONDS:
-        exit_with_error(f"a stop would take {stop_seconds:.0f} s (the stop check, a step, the "
-                        f"save), more than the signal's {SIGNAL_LEAD_SECONDS} s lead: raise "
-                        "SIGNAL_LEAD_SECONDS (05: and submit.sh's --signal=USR2@N to match)",
+        exit_with_error(f"a stop would take {stop_seconds:.0f} s (the stop check, a step, two "
+                        f"saves, the exit), more than the signal's {SIGNAL_LEAD_SECONDS} s lead: "
+                        "raise SIGNAL_LEAD_SECONDS (05: and submit.sh's --signal=USR2@N to match)",
                         dist.get_rank() == 0)
     if dist.get_rank() == 0:
-        print(f"check passed: a stop takes {stop_seconds:.0f} s; the time limit's signal gives "
-              f"{SIGNAL_LEAD_SECONDS} s, a preemption the partition's GraceTime", flush=True)
+        print(f"check passed: a stop takes up to {stop_seconds:.0f} s; the time limit's signal "
+              f"gives {SIGNAL_LEAD_SECONDS} s, a preemption the partition's GraceTime", flush=True)
     return 0
 
 if __name__ == "__main__":

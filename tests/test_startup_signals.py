@@ -26,8 +26,10 @@ sys.meta_path.insert(0, SignalAtTorchImport())
 """
 RUN_05 = "sys.argv = {argv!r}\nrunpy.run_path(sys.argv[0], run_name='__main__')"
 # 06's task: submitit imports the module to unpickle run(); then run() would catch the pending signal.
-IMPORT_06 = ("sys.path.insert(0, '06_ddp_submitit')\nimportlib.import_module('train')\n"
-             "print('pending:', sorted(s.name for s in signal.sigpending()))")
+IMPORT_06 = ("sys.path.insert(0, '06_ddp_submitit')\nmodule = importlib.import_module('train')\n"
+             "print('pending:', sorted(s.name for s in signal.sigpending()))\n"
+             "module.catch_stop_signals()\n"  # as run() starts
+             "print('received:', signal.Signals(module.stop_signal_received()).name)")
 
 
 @pytest.mark.parametrize("sig", ["SIGUSR2", "SIGTERM"])
@@ -49,5 +51,5 @@ def test_06_task_keeps_a_signal_during_its_imports_pending(tmp_path):
     env = child_env(SUBMITIT_FOLDER=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", SIGNAL_AT_IMPORT.format(sig="SIGUSR2", run=IMPORT_06)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "pending: ['SIGUSR2']" in done.stdout, (done.returncode, done.stdout,
-                                                                             done.stderr)
+    assert done.returncode == 0 and "pending: ['SIGUSR2']\nreceived: SIGUSR2\n" in done.stdout, (
+        done.returncode, done.stdout, done.stderr)  # what run()'s first stop check finds

@@ -21,7 +21,7 @@ ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "SET_BY_06", "ch
          # The site checks, set apart at the end of the file.
          "check_same_checkpoint", "tasks_on_node", "gpus_on_node", "check_launch",
          "host_address", "check_checkpoint_folder_shared", "check_gpus_not_shared", "check_sample_order",
-         "CHECK_STEPS", "DDP_BUCKET_BYTES", "check_job"]
+         "CHECK_STEPS", "DDP_BUCKET_BYTES", "STOP_EXIT_SECONDS", "check_job"]
 SHARED = {
     "METRIC": ["01 02 03 04 05 06"],
     "loss_and_metric": ["01 02 03 04 05 06"],
@@ -58,6 +58,7 @@ SHARED = {
     "check_checkpoint_folder_shared": ["05 06"],
     "CHECK_STEPS": ["05 06"],
     "DDP_BUCKET_BYTES": ["05 06"],
+    "STOP_EXIT_SECONDS": ["05 06"],
     "SIGNAL_LEAD_SECONDS": ["05 06"],
     "check_job": ["05 06"],
     "check_gpus_not_shared": ["05 06"],
