@@ -247,10 +247,10 @@ def get_lr(step, total_steps, peak_lr, args):
 # SLURM: stopping inside an epoch, and resuming there. A stop takes this path:
 # 1. Slurm signals every task: SIGUSR2 before the time limit (submit.sh's --signal), SIGTERM on a
 #    preemption or a scancel. catch_stop_signals() makes it a note instead of the end.
-# 2. train_one_epoch() asks every STOP_CHECK_SECONDS, between two optimizer steps, whether any rank
-#    has had one (max_over_ranks), so that all stop at the same step.
-# 3. save_inside_epoch() has rank 0 save that step, with the epoch's loss so far, and picks the
-#    exit code: REQUEUE_EXIT_CODE. It also saves every --save-every minutes.
+# 2. StopCheck, before an optimizer step every STOP_CHECK_SECONDS or so, has the ranks agree
+#    whether any had one (max_over_ranks), so that all stop at the same step.
+# 3. stop_run() has rank 0 save that step with the epoch's loss so far (save_inside_epoch(), which
+#    also saves every --save-every minutes) and picks the exit code: REQUEUE_EXIT_CODE.
 # 4. submit.sh (06: its slurm_teardown) requeues the job on that code, from the host. The job
 #    starts again under the same id, and train() resumes the step: ResumableSampler skips the
 #    samples trained before it.
@@ -291,6 +291,31 @@ def max_over_ranks(values, device):
     return values.tolist()
 
 
+class StopCheck:
+    """SLURM: asks the ranks whether to stop, from first_step on, as many optimizer steps apart as
+    take STOP_CHECK_SECONDS (at most twice as many as the time before): each time, a collective
+    waits for the GPU, so not at every step."""
+
+    def __init__(self, first_step, save_every_minutes):
+        self.next_step, self.steps_apart = first_step, 1
+        self.save_every_seconds = 60 * save_every_minutes  # 0: never
+        self.started = self.last_check = time.monotonic()
+
+    def at(self, step, device):
+        """Returns (the stop signal any rank had or 0, whether a --save-every save is due), the
+        same on every rank; (0, False) between two checks."""
+        if step != self.next_step:
+            return 0, False
+        now = time.monotonic()
+        stop_signal, since_last_check, running = max_over_ranks(
+            [stop_signal_received(), now - self.last_check, now - self.started], device)
+        steps_per_second = self.steps_apart / max(since_last_check, 1e-6)
+        self.steps_apart = min(2 * self.steps_apart,
+                               max(1, int(STOP_CHECK_SECONDS * steps_per_second)))
+        self.next_step, self.last_check = step + self.steps_apart, time.monotonic()
+        return int(stop_signal), 0 < self.save_every_seconds <= running
+
+
 class ResumableSampler(DistributedSampler):
     """SLURM: a DistributedSampler that skips the first `skip` indices of this rank's share (the
     steps trained before a stop); its length stays the whole epoch's."""
@@ -304,14 +329,18 @@ class ResumableSampler(DistributedSampler):
         return iter(list(super().__iter__())[self.skip:])
 
 
-def start_progress(args, resumed, world_size, train_samples):
-    """SLURM: where this run starts, as the plain data that a save inside an epoch stores: the
-    epoch and its steps trained, their loss sums, what decides each step's samples, and how many
-    runs in a row stopped where they resumed (in a requeued job; a new job starts at 0)."""
+def start_progress(args, resumed, train_samples, gloo_group):
+    """SLURM: where this run starts, as the plain data that a save stores: the epoch and its steps
+    trained, their loss sums, what decides each step's samples, how many runs in a row stopped
+    where they resumed (in a requeued job; a new job starts at 0) and the flags."""
+    if args.checkpoint:  # a site check (the end of this file), once every rank has resumed
+        check_checkpoint_folder_shared(args.checkpoint, gloo_group)
+    world_size = dist.get_world_size()
+    sample_order = dict(global_batch=world_size * args.batch_size * args.accumulate,
+                        seed=args.seed, train_samples=train_samples)
     progress = dict(epoch=0, step=0, loss_sum=0.0, count=0.0, stalled_runs=0,
                     world_size=world_size, batch_size=args.batch_size, accumulate=args.accumulate,
-                    sample_order=[world_size * args.batch_size * args.accumulate, args.seed,
-                                  train_samples],  # the global batch, the seed, the data size
+                    sample_order=sample_order,
                     flags={flag: str(value) for flag, value in vars(args).items()})  # as text
     if resumed and resumed.get("step"):  # saved inside an epoch: it goes on there
         check_sample_order(args.checkpoint, resumed, progress)  # a site check (the end)
@@ -340,34 +369,40 @@ def start_progress(args, resumed, world_size, train_samples):
 
 
 def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
-    """SLURM: rank 0 saves the model after progress["step"] steps of progress["epoch"], on a stop
-    signal or (stop_signal None) every --save-every minutes. Returns the exit code for a stop."""
-    is_main = dist.get_rank() == 0
+    """SLURM: rank 0 saves the model after progress["step"] steps of progress["epoch"]: at a stop
+    (stop_run()) or, stop_signal 0, every --save-every minutes. Returns the seconds it took."""
     # Counts the runs in a row, this one included, that SIGUSR2 (the time limit) stopped where they
     # resumed. A SIGTERM (a preemption) there keeps the count: a later start may get further.
-    stalled = [progress["epoch"], progress["step"]] == progress["resumed_at"]
-    stalled_runs = progress["stalled_runs"] if stalled else 0
-    if stalled and stop_signal == signal.SIGUSR2:
-        stalled_runs += 1
+    if [progress["epoch"], progress["step"]] != progress["resumed_at"]:
+        progress["stalled_runs"] = 0
+    elif stop_signal == signal.SIGUSR2:
+        progress["stalled_runs"] += 1
     began = time.perf_counter()
-    if args.checkpoint and is_main:
-        save_checkpoint(args.checkpoint, checkpointed, progress | {"stalled_runs": stalled_runs})
+    if args.checkpoint and dist.get_rank() == 0:
+        save_checkpoint(args.checkpoint, checkpointed, progress)
     dist.barrier(group=gloo_group)  # DDP: the others wait until the checkpoint is complete
-    where = f"epoch {progress['epoch'] + 1} step {progress['step']}"
-    saved = f"saved in {time.perf_counter() - began:.1f} s"
-    if not stop_signal:
-        if is_main and args.checkpoint:
-            print(f"saved at {where} (--save-every {args.save_every:g})", flush=True)
-        return 0
+    if not stop_signal and args.checkpoint and dist.get_rank() == 0:
+        print(f"saved at epoch {progress['epoch'] + 1} step {progress['step']} (--save-every "
+              f"{args.save_every:g})", flush=True)
+    return time.perf_counter() - began
+
+
+def stop_run(args, checkpointed, progress, stop_signal, gloo_group):
+    """SLURM: the end of a run whose ranks agreed to stop: rank 0 saves the step and says what
+    comes next. Returns the exit code, REQUEUE_EXIT_CODE where submit.sh requeues the job."""
+    save_seconds = save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)
+    saved = f"saved in {save_seconds:.1f} s"
     if not args.checkpoint:  # a run cut short, with nothing to resume: it ends as failed
         exit_code = 1
         outcome = ("no --checkpoint, so nothing is saved; exit code 1, not requeued (it would "
                    "start over)")
-    elif stalled_runs >= MAX_STALLED_RUNS:  # a time limit that start-up and the lead use up would
-        exit_code = 1                      # requeue the job for ever, whichever script requeues it
-        outcome = (f"{saved}, exit code 1, not requeued: {stalled_runs} runs in a row made no "
-                   "step or evaluation before the time limit's signal (a time limit below "
-                   "start-up + the signal's lead)")
+    # A time limit that start-up and the signal's lead use up would requeue the job for ever,
+    # whichever script requeues it.
+    elif progress["stalled_runs"] >= MAX_STALLED_RUNS:
+        exit_code = 1
+        outcome = (f"{saved}, exit code 1, not requeued: {progress['stalled_runs']} runs in a row "
+                   "made no step or evaluation before the time limit's signal (a time limit "
+                   "below start-up + the signal's lead)")
     elif not os.environ.get("REQUEUE_ON_144"):  # torchrun (05's page), or srun by hand
         exit_code = REQUEUE_EXIT_CODE
         outcome = (f"{saved}, exit code {REQUEUE_EXIT_CODE}: nothing requeues on it here (started "
@@ -378,8 +413,9 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
         if stop_signal == signal.SIGTERM:  # a preemption's, or a scancel's (ends the batch script)
             outcome += ("; after a scancel it is not: resume in a new job with --checkpoint "
                         f"{args.checkpoint}")
-    if is_main:
-        print(f"stopped at {where} on {signal.Signals(stop_signal).name}: {outcome}", flush=True)
+    if dist.get_rank() == 0:
+        print(f"stopped at epoch {progress['epoch'] + 1} step {progress['step']} on "
+              f"{signal.Signals(stop_signal).name}: {outcome}", flush=True)
     return exit_code
 
 
@@ -430,26 +466,17 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
     due)."""
     model.train()
     epoch, stop_signal, save_due = progress["epoch"], 0, False
+    # DDP: else each epoch repeats the first's order. SLURM: less the samples trained already.
+    loader.sampler.set_epoch(epoch, skip=progress["step"] * args.batch_size * args.accumulate)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
     logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
     batches = iter(loader)  # draws the workers' seeds: from train()'s seeding, not a step's
     steps_per_epoch = math.ceil(len(loader) / args.accumulate)  # optimizer steps
-    next_check, steps_between_checks = progress["step"], 1  # SLURM: when the ranks agree
-    started = last_check = time.monotonic()
+    stop_check = StopCheck(progress["step"], args.save_every)  # SLURM
     for step in range(progress["step"], steps_per_epoch):
-        if step == next_check:  # SLURM: as many steps apart as take STOP_CHECK_SECONDS
-            now = time.monotonic()
-            stop_signal, since_check, running = max_over_ranks(
-                [stop_signal_received(), now - last_check, now - started], device)
-            save_due = args.save_every and running >= 60 * args.save_every
-            if stop_signal or save_due:
-                break
-            # The next check after as many steps as take STOP_CHECK_SECONDS, at most twice as
-            # many as before.
-            steps_per_second = steps_between_checks / max(since_check, 1e-6)
-            steps_between_checks = min(2 * steps_between_checks,
-                                       max(1, int(STOP_CHECK_SECONDS * steps_per_second)))
-            next_check, last_check = step + steps_between_checks, time.monotonic()
+        stop_signal, save_due = stop_check.at(step, device)  # SLURM: the ranks agree
+        if stop_signal or save_due:
+            break
         # Dropout and other draws here as if the run was never stopped: seeded by the step (the
         # data-loader workers' draws are not: 01's page).
         # Not torch.manual_seed, which seeds every kind of device: 0.1 ms a call.
@@ -478,7 +505,7 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
     dist.all_reduce(sums)  # DDP: sum over ranks, so that rank 0 reports the global mean loss
     progress["loss_sum"] += sums[0].item()
     progress["count"] += sums[1].item()
-    return int(sums[2]), int(stop_signal), bool(save_due)
+    return int(sums[2]), stop_signal, save_due
 
 
 @torch.no_grad()
@@ -561,7 +588,7 @@ def setup(rank, local_rank, world_size, timeout):
 
 
 def train(args, rank, world_size, device, gloo_group):
-    """Returns the exit code: 0, or SLURM: a stop's, from save_inside_epoch()."""
+    """Returns the exit code: 0, or SLURM: a stop's, from stop_run()."""
     is_main = rank == 0  # DDP: only global rank 0 prints and saves
     train_loader, test_loader = make_loaders(args, rank, world_size, device, gloo_group)
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
@@ -572,9 +599,7 @@ def train(args, rank, world_size, device, gloo_group):
     checkpointed = {"model": model, "optimizer": optimizer}
     resumed = load_checkpoint(args.checkpoint, checkpointed) if args.checkpoint else None
     check_same_checkpoint(args.checkpoint, resumed, gloo_group)  # DDP: a site check (the end)
-    if args.checkpoint:  # SLURM: a site check too
-        check_checkpoint_folder_shared(args.checkpoint, gloo_group)
-    progress = start_progress(args, resumed, world_size, len(train_loader.dataset))  # SLURM
+    progress = start_progress(args, resumed, len(train_loader.dataset), gloo_group)  # SLURM
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
@@ -587,27 +612,24 @@ def train(args, rank, world_size, device, gloo_group):
         torch.manual_seed(hash((args.seed, rank, epoch)))
         start, samples = time.perf_counter(), 0
         while progress["step"] < steps_per_epoch:  # SLURM: in parts, ending at a save or a stop
-            skip = progress["step"] * args.batch_size * args.accumulate  # SLURM: trained already
-            train_loader.sampler.set_epoch(epoch, skip)  # DDP: else each epoch repeats the order
             trained, stop_signal, save_due = train_one_epoch(args, ddp_model, train_loader,
                                                              optimizer, peak_lrs, device, progress)
             samples += trained
             if stop_signal:  # SLURM: all ranks stopped at this step: save it, and end
-                return save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)
+                return stop_run(args, checkpointed, progress, stop_signal, gloo_group)
             if save_due:  # SLURM: --save-every: save, and go on
-                save_inside_epoch(args, checkpointed, progress, None, gloo_group)
+                save_inside_epoch(args, checkpointed, progress, 0, gloo_group)
         train_time = time.perf_counter() - start
         # -1: the seed of no training step, so that evaluation draws numbers of its own.
         test_loss, metric, count = evaluate(model, test_loader, device,
                                             hash((args.seed, rank, epoch, -1)))
         stop_signal = int(max_over_ranks([stop_signal_received()], device)[0])
         if stop_signal:  # SLURM: during evaluate(): the next run evaluates again
-            return save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)
+            return stop_run(args, checkpointed, progress, stop_signal, gloo_group)
         loss = progress["loss_sum"] / progress["count"]
-        progress.update(epoch=epoch + 1, step=0, loss_sum=0.0, count=0.0)  # SLURM: the next's
+        progress.update(epoch=epoch + 1, step=0, loss_sum=0.0, count=0.0, stalled_runs=0)  # SLURM
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, checkpointed,
-                            {"epoch": epoch + 1, "flags": progress["flags"]})  # SLURM: and flags
+            save_checkpoint(args.checkpoint, checkpointed, progress)  # SLURM: all of progress
         dist.barrier(group=gloo_group)  # DDP: the others wait until the checkpoint is complete
         if is_main:
             print(f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | "
@@ -848,20 +870,19 @@ def check_gpus_not_shared(device, group, is_main):
 def check_sample_order(path, resumed, progress):
     """SLURM: a checkpoint saved inside an epoch resumes only where its steps take the same
     samples: the same global batch, seed and data size."""
-    if "sample_order" not in resumed:
+    if not isinstance(resumed.get("sample_order"), dict):  # a list before 2026-11-28
         exit_with_error(f"{path} was saved inside an epoch by an older train.py: resume it with "
                         "that one, or from an end-of-epoch checkpoint", dist.get_rank() == 0)
     if resumed["sample_order"] == progress["sample_order"]:
         return
-    _, seed, samples = resumed["sample_order"]  # the global batch, the seed, the data size
+    saved, now = resumed["sample_order"], progress["sample_order"]
     exit_with_error(
         f"{path} stopped inside epoch {resumed['epoch'] + 1} with {resumed['world_size']} "
         f"processes x {resumed['batch_size']} samples x --accumulate {resumed['accumulate']} "
-        f"per step, --seed {seed} and {samples} training samples; resume it with the same "
-        f"global batch, seed and data (now {progress['world_size']} x {progress['batch_size']} "
-        f"x {progress['accumulate']}, {progress['sample_order'][1]}, "
-        f"{progress['sample_order'][2]}) or from an end-of-epoch checkpoint",
-        dist.get_rank() == 0)
+        f"per step, --seed {saved['seed']} and {saved['train_samples']} training samples; resume "
+        f"it with the same global batch, seed and data (now {progress['world_size']} x "
+        f"{progress['batch_size']} x {progress['accumulate']}, {now['seed']}, "
+        f"{now['train_samples']}) or from an end-of-epoch checkpoint", dist.get_rank() == 0)
 
 
 CHECK_STEPS = 20  # --check's timed optimizer steps, after one that warms up
@@ -871,43 +892,18 @@ STOP_EXIT_SECONDS = 30  # a stopped job's exit and requeue, after its save (srun
 
 def check_job(args, ddp_model, train_loader, optimizer, checkpointed, device, gloo_group):
     """SLURM: --check, from train() once the launch checks, the data, the checkpoint folder and a
-    resume have passed, with train()'s DDP model, optimizer and checkpointed: a few steps, an
-    all-reduce and a save, timed, a line per node and a verdict. Saves nothing; returns 0, or ends
-    with one line and exit code 1 where a stop and its save would not fit the signal's lead."""
+    resume have passed: a line per node, the job's figures (time_job()) and a verdict. Saves
+    nothing; returns 0, or ends with one line and exit code 1 where a stop and its save would not
+    fit the signal's lead."""
     gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
     this_task = (socket.gethostname(), host_address(socket.gethostname()),
                  f"{gpu.name}, PCI bus {gpu.pci_bus_id}" if gpu else "cpu",
                  len(os.sched_getaffinity(0)), args.workers, torch.get_num_threads())
     every_task = [None] * dist.get_world_size()
     dist.all_gather_object(every_task, this_task, group=gloo_group)
-    # The loader's batches, from its start again where an epoch has fewer steps than the check.
-    batches = (batch for _ in range((CHECK_STEPS + 1) * args.accumulate) for batch in train_loader)
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    train_step(args, ddp_model, batches, args.accumulate, optimizer, device, sums)  # warms up
-    max_over_ranks([0], device)  # waits for the GPU's queued work, and for every rank
-    started = time.perf_counter()
-    for _ in range(CHECK_STEPS):
-        train_step(args, ddp_model, batches, args.accumulate, optimizer, device, sums)
-    max_over_ranks([0], device)
-    step_seconds = (time.perf_counter() - started) / CHECK_STEPS
-    peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if gpu else 0
-    bucket = torch.ones(DDP_BUCKET_BYTES // 4, device=device)
-    dist.all_reduce(bucket)  # NCCL may connect its ring at a size's first all-reduce: not timed
-    max_over_ranks([0], device)
-    started = time.perf_counter()
-    for _ in range(5):
-        dist.all_reduce(bucket)
-    max_over_ranks([0], device)
-    allreduce_seconds = (time.perf_counter() - started) / 5
-    started = time.perf_counter()
-    if args.checkpoint and dist.get_rank() == 0:  # beside the checkpoint, then removed
-        save_checkpoint(f"{args.checkpoint}.check", checkpointed, {})
-        os.remove(f"{args.checkpoint}.check")
-    dist.barrier(group=gloo_group)  # DDP: the others wait until the save is complete
-    save_seconds = time.perf_counter() - started
-    # The slowest rank's, the same on every rank: one verdict for all.
-    step_seconds, allreduce_seconds, save_seconds, peak_memory = max_over_ranks(
-        [step_seconds, allreduce_seconds, save_seconds, peak_memory], device)
+    step_seconds, allreduce_seconds, save_seconds, peak_memory = time_job(
+        args, ddp_model, train_loader, optimizer, checkpointed, device, gloo_group)
+    world_size = dist.get_world_size()
     if dist.get_rank() == 0:
         for host in dict.fromkeys(task[0] for task in every_task):  # one line a node
             tasks = [(task_rank, *task[2:]) for task_rank, task in enumerate(every_task)
@@ -916,7 +912,6 @@ def check_job(args, ddp_model, train_loader, optimizer, checkpointed, device, gl
             print(f"node {host} (its name resolves to {address}): (rank, device, cores, workers, "
                   f"threads) {tasks}", flush=True)
         # A ring all-reduce sends 2 (n - 1) / n of the buffer over each rank's link.
-        world_size = dist.get_world_size()
         bus_gb_per_s = DDP_BUCKET_BYTES * 2 * (world_size - 1) / world_size / allreduce_seconds
         print(f"check: {world_size} ranks, {len(set(task[0] for task in every_task))} nodes, "
               f"{args.batch_size * args.accumulate * world_size / step_seconds:.0f} samples/s, "
@@ -936,6 +931,39 @@ def check_job(args, ddp_model, train_loader, optimizer, checkpointed, device, gl
         print(f"check passed: a stop takes up to {stop_seconds:.0f} s; the time limit's signal "
               f"gives {SIGNAL_LEAD_SECONDS} s, a preemption the partition's GraceTime", flush=True)
     return 0
+
+
+def time_job(args, ddp_model, train_loader, optimizer, checkpointed, device, gloo_group):
+    """SLURM: --check's figures with train()'s DDP model and optimizer, the slowest rank's on every
+    rank (one verdict for all): the seconds of an optimizer step, of an all-reduce of DDP's bucket
+    and of a save beside the checkpoint (then removed), and the peak GPU memory in GiB."""
+    # The loader's batches, from its start again where an epoch has fewer steps than the check.
+    batches = (batch for _ in range((CHECK_STEPS + 1) * args.accumulate) for batch in train_loader)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    train_step(args, ddp_model, batches, args.accumulate, optimizer, device, sums)  # warms up
+    max_over_ranks([0], device)  # waits for the GPU's queued work, and for every rank
+    started = time.perf_counter()
+    for _ in range(CHECK_STEPS):
+        train_step(args, ddp_model, batches, args.accumulate, optimizer, device, sums)
+    max_over_ranks([0], device)
+    step_seconds = (time.perf_counter() - started) / CHECK_STEPS
+    peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
+    bucket = torch.ones(DDP_BUCKET_BYTES // 4, device=device)
+    dist.all_reduce(bucket)  # NCCL may connect its ring at a size's first all-reduce: not timed
+    max_over_ranks([0], device)
+    started = time.perf_counter()
+    for _ in range(5):
+        dist.all_reduce(bucket)
+    max_over_ranks([0], device)
+    allreduce_seconds = (time.perf_counter() - started) / 5
+    started = time.perf_counter()
+    if args.checkpoint and dist.get_rank() == 0:
+        save_checkpoint(f"{args.checkpoint}.check", checkpointed, {})
+        os.remove(f"{args.checkpoint}.check")
+    dist.barrier(group=gloo_group)  # DDP: the others wait until the save is complete
+    save_seconds = time.perf_counter() - started
+    return max_over_ranks([step_seconds, allreduce_seconds, save_seconds, peak_memory], device)
+
 
 if __name__ == "__main__":
     main()

@@ -473,16 +473,19 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
     try:
         model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        args = Namespace(seed=0, log_interval=0, accumulate=1, amp=False, clip_grad=0, save_every=0, epochs=1,
-                         warmup=0, cosine=False)
+        args = Namespace(seed=0, log_interval=0, batch_size=4, accumulate=1, amp=False, clip_grad=0, save_every=0,
+                         epochs=1, warmup=0, cosine=False)
         progress = lambda: dict(epoch=0, step=0, loss_sum=0.0, count=0.0)  # noqa: E731
         cpu = dict(peak_lrs=[0.01], device=torch.device("cpu"))
+        # train_one_epoch sets the epoch (and the steps to skip) on the loader's sampler.
+        loader = lambda data: DataLoader(data, batch_size=4, sampler=module.ResumableSampler(  # noqa: E731
+            data, num_replicas=1, rank=0, shuffle=False))
         module.noted_stop_signals.clear()
         # 1000 steps of 2 ms: not a check every step or every 10, but one per interval once the spacing has
         # doubled up to it, and never more than an interval and a step apart.
         done = progress()
         samples, signum, save_due = module.train_one_epoch(
-            args, model, DataLoader(SlowData(clock, 0.0005, 4000), batch_size=4), optimizer, **cpu, progress=done)
+            args, model, loader(SlowData(clock, 0.0005, 4000)), optimizer, **cpu, progress=done)
         gaps = [later - earlier for earlier, later in zip(checks, checks[1:])]
         # Not stopped: the epoch's end.
         assert done["step"] == 1000 and (signum, save_due) == (0, False) and samples == 4000
@@ -496,7 +499,7 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
                             and module.noted_stop_signals.append(signal.SIGUSR2))
         stopped = progress()
         samples, signum, save_due = module.train_one_epoch(
-            args, model, DataLoader(SlowData(clock, 0.05, 400, stop), batch_size=4), optimizer, **cpu, progress=stopped)
+            args, model, loader(SlowData(clock, 0.05, 400, stop)), optimizer, **cpu, progress=stopped)
         assert stopped["step"] < 100 and 0 < samples < 400 and signum == signal.SIGUSR2, (stopped, samples)
         assert not save_due and 0 <= checks[-1] - requested <= 0.5 + 0.2 + 1e-9, checks  # one interval + a step
 
@@ -508,7 +511,7 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
         args.save_every = 1 / 60
         due = progress()
         samples, signum, save_due = module.train_one_epoch(
-            args, model, DataLoader(SlowData(clock, 0.05, 400), batch_size=4), optimizer, **cpu, progress=due)
+            args, model, loader(SlowData(clock, 0.05, 400)), optimizer, **cpu, progress=due)
         assert (signum, save_due) == (0, True) and 5 <= due["step"] < 100 and samples == 4 * due["step"], due
     finally:
         module.noted_stop_signals.clear()

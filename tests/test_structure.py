@@ -15,13 +15,14 @@ ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "SET_BY_06", "ch
          "load_datasets", "Net", "METRIC", "loss_and_metric", "make_optimizer", "get_lr",
          "STOP_SIGNALS", "REQUEUE_EXIT_CODE", "STOP_CHECK_SECONDS", "MAX_STALLED_RUNS", "SIGNAL_LEAD_SECONDS",
          "noted_stop_signals", "catch_stop_signals",
-         "stop_signal_received", "max_over_ranks", "ResumableSampler", "start_progress", "save_inside_epoch",
+         "stop_signal_received", "max_over_ranks", "StopCheck", "ResumableSampler", "start_progress",
+         "save_inside_epoch", "stop_run",
          "make_loaders", "train_step", "train_one_epoch", "evaluate", "save_checkpoint", "load_checkpoint",
          "exit_with_error", "setup", "train", "run", "make_executor", "main",
          # The site checks, set apart at the end of the file.
          "check_same_checkpoint", "tasks_on_node", "gpus_on_node", "check_launch",
          "host_address", "check_checkpoint_folder_shared", "check_gpus_not_shared", "check_sample_order",
-         "CHECK_STEPS", "DDP_BUCKET_BYTES", "STOP_EXIT_SECONDS", "check_job"]
+         "CHECK_STEPS", "DDP_BUCKET_BYTES", "STOP_EXIT_SECONDS", "check_job", "time_job"]
 SHARED = {
     "METRIC": ["01 02 03 04 05 06"],
     "loss_and_metric": ["01 02 03 04 05 06"],
@@ -50,7 +51,9 @@ SHARED = {
     "max_over_ranks": ["05 06"],
     "ResumableSampler": ["05 06"],
     "start_progress": ["05 06"],
+    "StopCheck": ["05 06"],
     "save_inside_epoch": ["05 06"],
+    "stop_run": ["05 06"],
     "tasks_on_node": ["05 06"],
     "gpus_on_node": ["05 06"],
     "check_launch": ["05 06"],
@@ -61,6 +64,7 @@ SHARED = {
     "STOP_EXIT_SECONDS": ["05 06"],
     "SIGNAL_LEAD_SECONDS": ["05 06"],
     "check_job": ["05 06"],
+    "time_job": ["05 06"],
     "check_gpus_not_shared": ["05 06"],
     "check_sample_order": ["05 06"],
 }
@@ -155,7 +159,8 @@ def test_the_readme_gives_the_real_diff_sizes():
 
 
 # The generated blocks each step page must hold: the output of a real run, its train.py against the previous
-# step's, and its launch script against the previous one (or whole, where there was none before).
+# step's, and its launch script against the previous one (or whole, where there was none before; a batch
+# script, submit.sh, is linked from the page: its comments are its explanation).
 PAGE_BLOCKS = {
     "01_single_gpu": ["output 01", "file 01_single_gpu/run.sh"],
     "02_dataparallel": ["output 02", "diff 01_single_gpu/train.py 02_dataparallel/train.py",
@@ -163,9 +168,8 @@ PAGE_BLOCKS = {
     "03_ddp_mpspawn": ["output 03", "diff 02_dataparallel/train.py 03_ddp_mpspawn/train.py",
                        "diff 02_dataparallel/run.sh 03_ddp_mpspawn/run.sh"],
     "04_ddp_torchrun": ["output 04", "diff 03_ddp_mpspawn/train.py 04_ddp_torchrun/train.py",
-                        "diff 03_ddp_mpspawn/run.sh 04_ddp_torchrun/run.sh", "file 04_ddp_torchrun/submit.sh"],
-    "05_ddp_slurm": ["output 05", "output 05_check", "diff 04_ddp_torchrun/train.py 05_ddp_slurm/train.py",
-                     "file 05_ddp_slurm/submit.sh"],
+                        "diff 03_ddp_mpspawn/run.sh 04_ddp_torchrun/run.sh"],
+    "05_ddp_slurm": ["output 05", "output 05_check", "diff 04_ddp_torchrun/train.py 05_ddp_slurm/train.py"],
     "06_ddp_submitit": ["output 06", "diff 05_ddp_slurm/train.py 06_ddp_submitit/train.py"],
 }
 
