@@ -268,25 +268,25 @@ def save_checkpoint(path, checkpointed, progress):
 
 
 def load_checkpoint(path, checkpointed):
-    """Restores each object of checkpointed from path; returns the progress saved with them
-    ({"epoch": ...}), None where path does not exist, or {"error": why} where it cannot be used.
-    The file is mapped, not read: a tensor is copied at most once, onto this process's device (on a
-    CPU, the optimizer keeps some mapped)."""
-    if not os.path.exists(path):
-        return None
+    """Restores each object of checkpointed from path. Returns (the progress saved with them,
+    {"epoch": ...}, or None where there is no path or no file; why the file cannot be used, or
+    None). The file is mapped, not read: a tensor is copied at most once, onto this process's
+    device (on a CPU, the optimizer keeps some mapped)."""
+    if not path or not os.path.exists(path):
+        return None, None
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         for name, obj in checkpointed.items():
             obj.load_state_dict(state.pop(name))  # onto this process's device, from any saver's
     except Exception as error:  # a copy cut short, another script's file: one line, no traceback
         # DDP: check_same_checkpoint() has rank 0 say why, for whichever rank it was.
-        return {"error": f"{type(error).__name__}: {' '.join(str(error).split())}"}
-    return state  # what is left: the progress
+        return None, f"{type(error).__name__}: {' '.join(str(error).split())}"
+    return state, None  # what is left: the progress
 
 
-def exit_with_error(message, is_main):
+def exit_with_error(message):
     # DDP: every rank exits with code 1, and rank 0 alone prints why: one line, not one a rank.
-    if is_main:
+    if dist.get_rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 
@@ -322,13 +322,13 @@ def train(args, rank, world_size, device, gloo_group):
     peak_lrs = [group["lr"] for group in optimizer.param_groups]  # this run's, not a checkpoint's
     # What a checkpoint holds and a resume restores, by name: add yours (01's page: an EMA).
     checkpointed = {"model": model, "optimizer": optimizer}
-    progress = load_checkpoint(args.checkpoint, checkpointed) if args.checkpoint else None
-    check_same_checkpoint(args.checkpoint, progress, gloo_group)  # DDP: a site check (the end)
+    progress, load_error = load_checkpoint(args.checkpoint, checkpointed)
+    check_same_checkpoint(args.checkpoint, progress, load_error, gloo_group)  # DDP: a site check
     start_epoch = progress["epoch"] if progress else 0
     if progress and progress.get("step"):  # saved inside an epoch by 05 or 06
         exit_with_error(f"{args.checkpoint} stopped inside epoch {start_epoch + 1}; resume it "
                         "with the step that wrote it (05 or 06), or from an end-of-epoch "
-                        "checkpoint", is_main)
+                        "checkpoint")
     if progress and is_main:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
@@ -373,24 +373,26 @@ def main():
 # Site checks: what a real cluster can get wrong, set apart from the lesson above.
 
 
-def check_same_checkpoint(path, resumed, group):
+def check_same_checkpoint(path, resumed, load_error, group):
     """DDP: every rank loads the checkpoint itself (a node's ranks share the file's pages). If one
-    found no file or another, as where a node's view of shared storage lags, all end with one
-    line rather than train from different states."""
-    every_resumed = [None] * dist.get_world_size()
-    dist.all_gather_object(every_resumed, resumed, group=group)  # DDP: every rank's progress
-    failed = [rank for rank, found in enumerate(every_resumed) if found and "error" in found]
-    if failed:  # rank 0 says why the first of them could not use the file
-        exit_with_error(f"cannot resume from {path} (rank {failed[0]}): "
-                        f"{every_resumed[failed[0]]['error']}", dist.get_rank() == 0)
+    could not use it, or found no file or another, as where a node's view of shared storage lags,
+    all end with rank 0's line rather than train from different states."""
+    every_rank = [None] * dist.get_world_size()
+    this_rank = (socket.gethostname(), resumed, load_error)
+    dist.all_gather_object(every_rank, this_rank, group=group)  # DDP: what every rank found
+    for rank, (host, _, error) in enumerate(every_rank):
+        if error:  # the first rank that could not use the file
+            exit_with_error(f"cannot resume from {path} (rank {rank} on {host}): {error}")
+    positions = [(found["epoch"], found.get("step", 0)) if found else "no file"
+                 for _, found, _ in every_rank]  # (epoch, step)
     # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.
-    if repr(resumed) != repr(every_resumed[0]):  # the rank that differs says what it found
-        found = [(p["epoch"], p.get("step", 0)) if p else "no file" for p in every_resumed]
-        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds another "
-                 f"checkpoint at {path} than rank 0 (epoch, step): {found[dist.get_rank()]}, "
-                 f"rank 0 {found[0]}: start again once every node sees rank 0's file")
-    if any(repr(other) != repr(resumed) for other in every_resumed):
-        sys.exit(1)
+    rank_0_found = repr(every_rank[0][1])
+    others = [f"rank {rank} on {host} finds {positions[rank]}"
+              for rank, (host, found, _) in enumerate(every_rank) if repr(found) != rank_0_found]
+    if others:
+        exit_with_error(f"ranks see another checkpoint at {path} than rank 0, which finds (epoch, "
+                        f"step) {positions[0]}: {', '.join(others)}; start again once every node "
+                        "sees rank 0's file")
 
 
 if __name__ == "__main__":

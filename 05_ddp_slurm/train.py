@@ -228,28 +228,30 @@ def max_over_ranks(values, device):
 
 
 class StopCheck:
-    """SLURM: asks the ranks whether to stop, from first_step on, as many optimizer steps apart as
-    take STOP_CHECK_SECONDS (at most twice as many as the time before): each time, a collective
-    waits for the GPU, so not at every step."""
+    """SLURM: asks the ranks, from first_step on, whether any had a stop signal and whether a
+    --save-every save is due (--save-every minutes after this StopCheck was made: the run's start
+    or the last save). Not at every step, as each check is a collective that waits for the GPU:
+    as many steps apart as take STOP_CHECK_SECONDS, the spacing at most doubling each time."""
 
-    def __init__(self, first_step, save_every_minutes):
-        self.next_step, self.steps_apart = first_step, 1
+    def __init__(self, first_step, save_every_minutes, device):
+        self.next_step, self.steps_apart, self.device = first_step, 1, device
         self.save_every_seconds = 60 * save_every_minutes  # 0: never
         self.started = self.last_check = time.monotonic()
 
-    def at(self, step, device):
-        """Returns (the stop signal any rank had or 0, whether a --save-every save is due), the
-        same on every rank; (0, False) between two checks."""
+    def poll(self, step):
+        """Returns (the stop signal any rank had or 0, whether a save is due), the same on every
+        rank; (0, False) between two checks."""
         if step != self.next_step:
             return 0, False
         now = time.monotonic()
-        stop_signal, since_last_check, running = max_over_ranks(
-            [stop_signal_received(), now - self.last_check, now - self.started], device)
+        # The largest over the ranks: SIGTERM (15) where any had it, over SIGUSR2 (12).
+        stop_signal, since_last_check, since_start = max_over_ranks(
+            [stop_signal_received(), now - self.last_check, now - self.started], self.device)
         steps_per_second = self.steps_apart / max(since_last_check, 1e-6)
         self.steps_apart = min(2 * self.steps_apart,
                                max(1, int(STOP_CHECK_SECONDS * steps_per_second)))
         self.next_step, self.last_check = step + self.steps_apart, time.monotonic()
-        return int(stop_signal), 0 < self.save_every_seconds <= running
+        return int(stop_signal), 0 < self.save_every_seconds <= since_start
 
 
 class ResumableSampler(DistributedSampler):
@@ -268,7 +270,8 @@ class ResumableSampler(DistributedSampler):
 def start_progress(args, resumed, train_samples, gloo_group):
     """SLURM: where this run starts, as the plain data that a save stores: the epoch and its steps
     trained, their loss sums, what decides each step's samples, how many runs in a row stopped
-    where they resumed (in a requeued job; a new job starts at 0) and the flags."""
+    where they resumed (in a requeued job; a new job starts at 0) and the flags. Every rank calls
+    it: the folder check is a collective."""
     if args.checkpoint:  # a site check (the end of this file), once every rank has resumed
         check_checkpoint_folder_shared(args.checkpoint, gloo_group)
     world_size = dist.get_world_size()
@@ -282,7 +285,7 @@ def start_progress(args, resumed, train_samples, gloo_group):
         check_sample_order(args.checkpoint, resumed, progress)  # a site check (the end)
         progress.update(step=resumed["step"], loss_sum=resumed["loss_sum"],
                         count=resumed["count"])
-    if resumed:  # an end-of-epoch save has no stall count
+    if resumed:  # 01-04's checkpoints have no stall count
         progress.update(epoch=resumed["epoch"], stalled_runs=resumed.get("stalled_runs", 0))
     if not int(os.environ.get("SLURM_RESTART_COUNT", 0)):
         progress["stalled_runs"] = 0
@@ -304,9 +307,10 @@ def start_progress(args, resumed, train_samples, gloo_group):
     return progress
 
 
-def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
+def save_inside_epoch(args, checkpointed, progress, gloo_group, stop_signal=0):
     """SLURM: rank 0 saves the model after progress["step"] steps of progress["epoch"]: at a stop
-    (stop_run()) or, stop_signal 0, every --save-every minutes. Returns the seconds it took."""
+    (stop_run()) or, without a stop_signal, every --save-every minutes. It first updates
+    progress["stalled_runs"], which stop_run() reads. Returns the seconds it took."""
     # Counts the runs in a row, this one included, that SIGUSR2 (the time limit) stopped where they
     # resumed. A SIGTERM (a preemption) there keeps the count: a later start may get further.
     if [progress["epoch"], progress["step"]] != progress["resumed_at"]:
@@ -326,7 +330,7 @@ def save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group):
 def stop_run(args, checkpointed, progress, stop_signal, gloo_group):
     """SLURM: the end of a run whose ranks agreed to stop: rank 0 saves the step and says what
     comes next. Returns the exit code, REQUEUE_EXIT_CODE where submit.sh requeues the job."""
-    save_seconds = save_inside_epoch(args, checkpointed, progress, stop_signal, gloo_group)
+    save_seconds = save_inside_epoch(args, checkpointed, progress, gloo_group, stop_signal)
     saved = f"saved in {save_seconds:.1f} s"
     if not args.checkpoint:  # a run cut short, with nothing to resume: it ends as failed
         exit_code = 1
@@ -362,9 +366,9 @@ def make_loaders(args, rank, world_size, device, gloo_group):
     train_set, test_set = load_datasets(args)
     if rank == 0:
         dist.barrier(group=gloo_group)
-    # DDP: each rank takes every world_size-th index of the epoch's order (set by train() each
-    # epoch), padded to the same number of steps; and a disjoint slice of the test set, not
-    # padded, so that the sums over ranks are exact.
+    # DDP: each rank takes every world_size-th index of the epoch's order (set each epoch by
+    # train_one_epoch()), padded to the same number of steps; and a disjoint slice of the test set,
+    # not padded, so that the sums over ranks are exact.
     sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     test_set = Subset(test_set, range(rank, len(test_set), world_size))
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda",
@@ -396,8 +400,9 @@ def train_step(args, model, batches, micro_batches, optimizer, device, sums):
 
 
 def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
-    """Trains progress["epoch"] from step progress["step"] to its end, or until the ranks stop
-    together (SLURM: a stop signal, or --save-every minutes); adds to progress what it trained.
+    """Trains progress["epoch"] from step progress["step"] to its end (SLURM: the sampler, a
+    ResumableSampler, skips the steps before), or until the ranks stop together (SLURM: a stop
+    signal, or --save-every minutes); adds to progress what it trained.
     Returns (samples trained, the stop signal a rank had or 0, whether a --save-every save is
     due)."""
     model.train()
@@ -408,9 +413,9 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
     logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
     batches = iter(loader)  # draws the workers' seeds: from train()'s seeding, not a step's
     steps_per_epoch = math.ceil(len(loader) / args.accumulate)  # optimizer steps
-    stop_check = StopCheck(progress["step"], args.save_every)  # SLURM
+    stop_check = StopCheck(progress["step"], args.save_every, device)  # SLURM
     for step in range(progress["step"], steps_per_epoch):
-        stop_signal, save_due = stop_check.at(step, device)  # SLURM: the ranks agree
+        stop_signal, save_due = stop_check.poll(step)  # SLURM: the ranks agree
         if stop_signal or save_due:
             break
         # Dropout and other draws here as if the run was never stopped: seeded by the step (the
@@ -473,25 +478,25 @@ def save_checkpoint(path, checkpointed, progress):
 
 
 def load_checkpoint(path, checkpointed):
-    """Restores each object of checkpointed from path; returns the progress saved with them
-    ({"epoch": ...}), None where path does not exist, or {"error": why} where it cannot be used.
-    The file is mapped, not read: a tensor is copied at most once, onto this process's device (on a
-    CPU, the optimizer keeps some mapped)."""
-    if not os.path.exists(path):
-        return None
+    """Restores each object of checkpointed from path. Returns (the progress saved with them,
+    {"epoch": ...}, or None where there is no path or no file; why the file cannot be used, or
+    None). The file is mapped, not read: a tensor is copied at most once, onto this process's
+    device (on a CPU, the optimizer keeps some mapped)."""
+    if not path or not os.path.exists(path):
+        return None, None
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         for name, obj in checkpointed.items():
             obj.load_state_dict(state.pop(name))  # onto this process's device, from any saver's
     except Exception as error:  # a copy cut short, another script's file: one line, no traceback
         # DDP: check_same_checkpoint() has rank 0 say why, for whichever rank it was.
-        return {"error": f"{type(error).__name__}: {' '.join(str(error).split())}"}
-    return state  # what is left: the progress
+        return None, f"{type(error).__name__}: {' '.join(str(error).split())}"
+    return state, None  # what is left: the progress
 
 
-def exit_with_error(message, is_main):
+def exit_with_error(message):
     # DDP: every rank exits with code 1, and rank 0 alone prints why: one line, not one a rank.
-    if is_main:
+    if dist.get_rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 
@@ -519,7 +524,7 @@ def setup(rank, local_rank, world_size, timeout):
     # an hour. Gloo, so that it takes no GPU memory.
     gloo_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, timeout)))
     if device.type == "cuda":  # SLURM: a site check (the end of this file)
-        check_gpus_not_shared(device, gloo_group, rank == 0)
+        check_gpus_not_shared(device, gloo_group)
     return device, gloo_group
 
 
@@ -533,8 +538,8 @@ def train(args, rank, world_size, device, gloo_group):
     peak_lrs = [group["lr"] for group in optimizer.param_groups]  # this run's, not a checkpoint's
     # What a checkpoint holds and a resume restores, by name: add yours (01's page: an EMA).
     checkpointed = {"model": model, "optimizer": optimizer}
-    resumed = load_checkpoint(args.checkpoint, checkpointed) if args.checkpoint else None
-    check_same_checkpoint(args.checkpoint, resumed, gloo_group)  # DDP: a site check (the end)
+    resumed, load_error = load_checkpoint(args.checkpoint, checkpointed)
+    check_same_checkpoint(args.checkpoint, resumed, load_error, gloo_group)  # DDP: a site check
     progress = start_progress(args, resumed, len(train_loader.dataset), gloo_group)  # SLURM
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -554,7 +559,7 @@ def train(args, rank, world_size, device, gloo_group):
             if stop_signal:  # SLURM: all ranks stopped at this step: save it, and end
                 return stop_run(args, checkpointed, progress, stop_signal, gloo_group)
             if save_due:  # SLURM: --save-every: save, and go on
-                save_inside_epoch(args, checkpointed, progress, 0, gloo_group)
+                save_inside_epoch(args, checkpointed, progress, gloo_group)
         train_time = time.perf_counter() - start
         # -1: the seed of no training step, so that evaluation draws numbers of its own.
         test_loss, metric, count = evaluate(model, test_loader, device,
@@ -579,8 +584,9 @@ def main():
     catch_stop_signals()  # SLURM: first thing, before any other thread or process starts
     args = parse_args()
     # SLURM: srun's tasks, or torchrun's (05's page): its agent alone sets TORCHELASTIC_RUN_ID.
-    names = ["RANK", "LOCAL_RANK", "WORLD_SIZE"]
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        names = ["RANK", "LOCAL_RANK", "WORLD_SIZE"]
+    else:
         names = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"]
         if "SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ:
             sys.exit("error: start this script with srun in a job of submit.sh (sbatch "
@@ -599,24 +605,26 @@ def main():
 # Site checks: what a real cluster can get wrong, set apart from the lesson above.
 
 
-def check_same_checkpoint(path, resumed, group):
+def check_same_checkpoint(path, resumed, load_error, group):
     """DDP: every rank loads the checkpoint itself (a node's ranks share the file's pages). If one
-    found no file or another, as where a node's view of shared storage lags, all end with one
-    line rather than train from different states."""
-    every_resumed = [None] * dist.get_world_size()
-    dist.all_gather_object(every_resumed, resumed, group=group)  # DDP: every rank's progress
-    failed = [rank for rank, found in enumerate(every_resumed) if found and "error" in found]
-    if failed:  # rank 0 says why the first of them could not use the file
-        exit_with_error(f"cannot resume from {path} (rank {failed[0]}): "
-                        f"{every_resumed[failed[0]]['error']}", dist.get_rank() == 0)
+    could not use it, or found no file or another, as where a node's view of shared storage lags,
+    all end with rank 0's line rather than train from different states."""
+    every_rank = [None] * dist.get_world_size()
+    this_rank = (socket.gethostname(), resumed, load_error)
+    dist.all_gather_object(every_rank, this_rank, group=group)  # DDP: what every rank found
+    for rank, (host, _, error) in enumerate(every_rank):
+        if error:  # the first rank that could not use the file
+            exit_with_error(f"cannot resume from {path} (rank {rank} on {host}): {error}")
+    positions = [(found["epoch"], found.get("step", 0)) if found else "no file"
+                 for _, found, _ in every_rank]  # (epoch, step)
     # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.
-    if repr(resumed) != repr(every_resumed[0]):  # the rank that differs says what it found
-        found = [(p["epoch"], p.get("step", 0)) if p else "no file" for p in every_resumed]
-        sys.exit(f"error: rank {dist.get_rank()} on {socket.gethostname()} finds another "
-                 f"checkpoint at {path} than rank 0 (epoch, step): {found[dist.get_rank()]}, "
-                 f"rank 0 {found[0]}: start again once every node sees rank 0's file")
-    if any(repr(other) != repr(resumed) for other in every_resumed):
-        sys.exit(1)
+    rank_0_found = repr(every_rank[0][1])
+    others = [f"rank {rank} on {host} finds {positions[rank]}"
+              for rank, (host, found, _) in enumerate(every_rank) if repr(found) != rank_0_found]
+    if others:
+        exit_with_error(f"ranks see another checkpoint at {path} than rank 0, which finds (epoch, "
+                        f"step) {positions[0]}: {', '.join(others)}; start again once every node "
+                        "sees rank 0's file")
 
 
 def tasks_on_node(node_id, default):
@@ -686,31 +694,31 @@ def check_checkpoint_folder_shared(path, group):
     """SLURM: rank 0 makes a file beside the checkpoint that every rank must see. A folder on
     node-local or per-job storage ($TMPDIR, /tmp) exists on every node, but a requeue whose rank 0
     runs on another node would find no checkpoint there and start over, at every requeue."""
-    probe = [f"{path}.{socket.gethostname()}-{os.getpid()}.probe", None]  # rank 0's name, error
+    probe_path, write_error = f"{path}.{socket.gethostname()}-{os.getpid()}.probe", None
     if dist.get_rank() == 0:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # as when saving
-            open(probe[0], "w").close()
+            open(probe_path, "w").close()
         except OSError as error:  # a read-only mount, a full disk, a file in the path
-            probe[1] = f"{type(error).__name__}: {error}"
-    dist.broadcast_object_list(probe, src=0, group=group)  # DDP: sent once the file is there
-    if probe[1]:
-        exit_with_error(f"cannot write beside the checkpoint {path}: {probe[1]}",
-                        dist.get_rank() == 0)
+            write_error = f"{type(error).__name__}: {error}"
+    rank_0_probe = [probe_path, write_error]
+    dist.broadcast_object_list(rank_0_probe, src=0, group=group)  # DDP: once the file is there
+    probe_path, write_error = rank_0_probe
+    if write_error:
+        exit_with_error(f"cannot write beside the checkpoint {path}: {write_error}")
     every_seen = [None] * dist.get_world_size()
-    this_seen = (socket.gethostname(), os.path.exists(probe[0]))
+    this_seen = (socket.gethostname(), os.path.exists(probe_path))
     dist.all_gather_object(every_seen, this_seen, group=group)
     if dist.get_rank() == 0:
-        os.remove(probe[0])
+        os.remove(probe_path)
     blind = sorted({host for host, seen in every_seen if not seen})
     if blind:
         exit_with_error(f"the checkpoint folder {os.path.dirname(os.path.abspath(path))} is not "
                         f"shared: {', '.join(blind)} cannot see rank 0's files there; put it on "
-                        "storage that every node mounts (a requeue would start over)",
-                        dist.get_rank() == 0)
+                        "storage that every node mounts (a requeue would start over)")
 
 
-def check_gpus_not_shared(device, group, is_main):
+def check_gpus_not_shared(device, group):
     """SLURM: tasks that share a GPU (--gpu-bind=map_gpu:0, MIG slices of one GPU) would fail in
     NCCL, on every rank. Compared by host and PCI address, not by CUDA index (0 in every task
     under ConstrainDevices) nor by UUID (each MIG slice has its own)."""
@@ -722,7 +730,7 @@ def check_gpus_not_shared(device, group, is_main):
     shared = [(rank, *gpu) for rank, gpu in enumerate(every_gpu) if every_gpu.count(gpu) > 1]
     if shared:
         exit_with_error(f"tasks share a GPU (task, host, PCI domain, bus, device): {shared}: "
-                        "give each its own GPU", is_main)
+                        "give each its own GPU")
 
 
 def check_sample_order(path, resumed, progress):
@@ -730,7 +738,7 @@ def check_sample_order(path, resumed, progress):
     samples: the same global batch, seed and data size."""
     if not isinstance(resumed.get("sample_order"), dict):  # a list before 2026-11-28
         exit_with_error(f"{path} was saved inside an epoch by an older train.py: resume it with "
-                        "that one, or from an end-of-epoch checkpoint", dist.get_rank() == 0)
+                        "that one, or from an end-of-epoch checkpoint")
     if resumed["sample_order"] == progress["sample_order"]:
         return
     saved, now = resumed["sample_order"], progress["sample_order"]
@@ -740,7 +748,7 @@ def check_sample_order(path, resumed, progress):
         f"per step, --seed {saved['seed']} and {saved['train_samples']} training samples; resume "
         f"it with the same global batch, seed and data (now {progress['world_size']} x "
         f"{progress['batch_size']} x {progress['accumulate']}, {now['seed']}, "
-        f"{now['train_samples']}) or from an end-of-epoch checkpoint", dist.get_rank() == 0)
+        f"{now['train_samples']}) or from an end-of-epoch checkpoint")
 
 
 CHECK_STEPS = 20  # --check's timed optimizer steps, after one that warms up
@@ -783,8 +791,7 @@ def check_job(args, ddp_model, train_loader, optimizer, checkpointed, device, gl
     if stop_seconds > SIGNAL_LEAD_SECONDS:
         exit_with_error(f"a stop would take {stop_seconds:.0f} s (the stop check, a step, two "
                         f"saves, the exit), more than the signal's {SIGNAL_LEAD_SECONDS} s lead: "
-                        "raise SIGNAL_LEAD_SECONDS (05: and submit.sh's --signal=USR2@N to match)",
-                        dist.get_rank() == 0)
+                        "raise SIGNAL_LEAD_SECONDS (05: and submit.sh's --signal=USR2@N to match)")
     if dist.get_rank() == 0:
         print(f"check passed: a stop takes up to {stop_seconds:.0f} s; the time limit's signal "
               f"gives {SIGNAL_LEAD_SECONDS} s, a preemption the partition's GraceTime", flush=True)

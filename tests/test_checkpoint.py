@@ -58,6 +58,9 @@ def test_loading_keeps_nothing_of_the_checkpoint(tmp_path, monkeypatch, step):
     fresh = module.Net()
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.01, momentum=0.9)
     progress = module.load_checkpoint(path, {"model": fresh, "optimizer": fresh_optimizer})
+    if step >= "03":  # (progress, why the file cannot be used): each rank's, for check_same_checkpoint
+        progress, load_error = progress
+        assert load_error is None, load_error
     gc.collect()
     assert progress == {"epoch": 1}, sorted(progress)
     assert read and all(ref() is None for ref in read), "a tensor of the checkpoint is still alive"
@@ -127,25 +130,28 @@ def test_a_resume_holds_at_most_one_copy_of_the_state(tmp_path):
         assert peak - before <= state_mb + state_mb / 2 + 64, (state_mb, figures)
 
 
-def test_ranks_that_found_different_files_at_the_same_step_stop(monkeypatch):
+def test_ranks_that_found_different_files_at_the_same_step_stop(monkeypatch, capsys):
     """check_same_checkpoint compares all that a rank loaded besides the weights, not only (epoch, step): two
     files saved inside an epoch at one step (a fixed --checkpoint reused by two runs, one node's stale view; two
     end-of-epoch files of one epoch hold the same progress and pass) differ in their loss sums,
     and the ranks would train from different optimizer states (DDP broadcasts the weights only). The gather is
-    stood in for: rank 1 found one file, rank 0 another."""
+    stood in for: rank 1 found one file, rank 0 another. Rank 0 prints the one line, rank 1 exits 1 silently."""
     module = load_step_module("05_ddp_slurm")
     rank0 = {"epoch": 1, "step": 5, "loss_sum": 40.0, "count": 320.0}
     mine = dict(rank0, loss_sum=39.0)
     monkeypatch.setattr(module.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(module.dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(slice(None),
-                                                                                                [rank0, obj]))
-    with pytest.raises(SystemExit) as stopped:
-        module.check_same_checkpoint("ckpt.pt", mine, None)
-    assert str(stopped.value) == (f"error: rank 1 on {socket.gethostname()} finds another checkpoint at ckpt.pt than "
-                                  "rank 0 (epoch, step): (1, 5), rank 0 (1, 5): start again once every node sees "
-                                  "rank 0's file")
-    module.check_same_checkpoint("ckpt.pt", dict(rank0), None)  # the same: no exit
+    monkeypatch.setattr(module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(
+        slice(None), [("node0", rank0, None), ("node1", mine, None)]))
+    for rank, printed in [(0, "error: ranks see another checkpoint at ckpt.pt than rank 0, which finds (epoch, "
+                              "step) (1, 5): rank 1 on node1 finds (1, 5); start again once every node sees rank "
+                              "0's file\n"), (1, "")]:
+        monkeypatch.setattr(module.dist, "get_rank", lambda rank=rank: rank)
+        with pytest.raises(SystemExit) as stopped:
+            module.check_same_checkpoint("ckpt.pt", [rank0, mine][rank], None, None)
+        assert stopped.value.code == 1 and capsys.readouterr().err == printed, rank
+    monkeypatch.setattr(module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(
+        slice(None), [("node0", rank0, None), ("node1", dict(rank0), None)]))
+    module.check_same_checkpoint("ckpt.pt", dict(rank0), None, None)  # the same: no exit
 
 
 def not_a_checkpoint(kind, path):
@@ -180,19 +186,20 @@ def test_a_checkpoint_that_cannot_be_read_ends_with_one_line(monkeypatch, tmp_pa
             module.load_checkpoint(str(path), checkpointed)
         assert re.fullmatch(rf"error: cannot resume from {path}: \w+: [^\n]+", exited.value.code), exited.value.code
         return
-    failed = module.load_checkpoint(str(path), checkpointed)
-    assert list(failed) == ["error"], failed
+    progress, error = module.load_checkpoint(str(path), checkpointed)
+    assert progress is None and error, error
+    failed = (None, error)
     monkeypatch.setattr(module.dist, "get_world_size", lambda: 2)
-    for rank0, rank1, named in [(failed, failed, 0), ({"epoch": 1}, failed, 1)]:
+    for rank0, rank1, named in [(failed, failed, 0), (({"epoch": 1}, None), failed, 1)]:
         for rank in (0, 1):
             monkeypatch.setattr(module.dist, "get_rank", lambda rank=rank: rank)
-            monkeypatch.setattr(module.dist, "all_gather_object",
-                                lambda out, obj, group: out.__setitem__(slice(None), [rank0, rank1]))
+            monkeypatch.setattr(module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(
+                slice(None), [("node0", *rank0), ("node1", *rank1)]))
             with pytest.raises(SystemExit) as exited:
-                module.check_same_checkpoint(str(path), [rank0, rank1][rank], None)
+                module.check_same_checkpoint(str(path), *[rank0, rank1][rank], None)
             printed = capsys.readouterr().err
             assert exited.value.code == 1 and printed == ("" if rank else (
-                f"error: cannot resume from {path} (rank {named}): {failed['error']}\n")), (rank, printed)
+                f"error: cannot resume from {path} (rank {named} on node{named}): {error}\n")), (rank, printed)
 
 
 def test_05_resumed_from_a_file_it_cannot_read_ends_with_one_line(tmp_path, capsys):
@@ -202,7 +209,8 @@ def test_05_resumed_from_a_file_it_cannot_read_ends_with_one_line(tmp_path, caps
     not_a_checkpoint("random bytes", path)
     code, output = train_in_process("05_ddp_slurm", ["--dataset", "synthetic", "--checkpoint", str(path)], capsys)
     errors = [line for line in output.splitlines() if "error" in line.lower()]
-    assert code == 1 and len(errors) == 1 and errors[0].startswith(f"error: cannot resume from {path} (rank 0): "), (
+    assert code == 1 and len(errors) == 1 and errors[0].startswith(
+        f"error: cannot resume from {path} (rank 0 on {socket.gethostname()}): "), (
         output)
     assert "Traceback" not in output and "epoch 1" not in output, output
 
@@ -216,8 +224,8 @@ def test_a_nan_loss_sum_in_the_checkpoint_is_the_same_checkpoint(monkeypatch):
     monkeypatch.setattr(module.dist, "get_rank", lambda: 1)
     # The gather unpickles each rank's progress: every NaN a float object of its own (equal objects would pass).
     monkeypatch.setattr(module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(
-        slice(None), [pickle.loads(pickle.dumps(rank0)), pickle.loads(pickle.dumps(obj))]))
-    module.check_same_checkpoint("ckpt.pt", pickle.loads(pickle.dumps(rank0)), None)  # no exit
+        slice(None), [pickle.loads(pickle.dumps(("node0", rank0, None))), pickle.loads(pickle.dumps(obj))]))
+    module.check_same_checkpoint("ckpt.pt", pickle.loads(pickle.dumps(rank0)), None, None)  # no exit
 
 
 def test_a_resume_says_which_flags_differ_from_the_checkpoints(tmp_path, capsys):

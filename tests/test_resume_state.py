@@ -8,6 +8,7 @@ import difflib
 import io
 import os
 import signal
+import socket
 import sys
 from argparse import Namespace
 
@@ -130,12 +131,12 @@ def test_a_users_stateful_object_is_not_in_the_position_the_ranks_compare(counte
     counter = module.StepCounter(optimizer)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        progress = module.load_checkpoint(str(counted.mid_epoch), {"model": model, "optimizer": optimizer,
-                                                                   "steps": counter})
-        module.check_same_checkpoint(str(counted.mid_epoch), progress, None)
+        progress, load_error = module.load_checkpoint(str(counted.mid_epoch), {
+            "model": model, "optimizer": optimizer, "steps": counter})
+        module.check_same_checkpoint(str(counted.mid_epoch), progress, load_error, None)
     finally:
         dist.destroy_process_group()
-    assert gathered == [progress] and progress["step"] == HOLD, gathered  # the counter's state is not in it
+    assert gathered == [(socket.gethostname(), progress, None)] and progress["step"] == HOLD, gathered  # the counter's state is not in it
     assert sorted(progress) == ["accumulate", "batch_size", "count", "epoch", "flags", "loss_sum", "resumed_at",
                                 "sample_order", "stalled_runs", "step", "world_size"], progress
     assert counter.steps == HOLD
