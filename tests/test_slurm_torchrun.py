@@ -1,6 +1,7 @@
 """Step 04 on the two-node Slurm cluster of tests/slurm_cluster.sh: the unchanged 04_ddp_torchrun/submit.sh
-through sbatch, one torchrun per node and two processes under each; a worker killed mid-run, a job
-requeued mid-run, and two jobs at once whose ports would collide by their job ids."""
+through sbatch, one torchrun per node and two processes under each as shipped; a worker killed mid-run, a job
+requeued mid-run, and two jobs at once whose ports would collide by their job ids, with one process under each
+torchrun (NPROC_PER_NODE=1): what they prove is between nodes, and a second process a node only costs."""
 import os
 import re
 import signal
@@ -17,6 +18,10 @@ from test_slurm import job_id_of, job_state, read, site_env, squeue
 pytestmark = pytest.mark.slurm  # on this worker's own pair of nodes (conftest.py)
 NODES, NPROC = 2, 2  # what submit.sh gives a CPU node: two processes
 TRAIN_ARGS = [*SYNTHETIC, "--batch-size", str(GLOBAL_BATCH // (NODES * NPROC))]
+# The interrupted and colliding jobs: one process a node, with the global batch's half, and no data-loader
+# worker (submit.sh would give it one of the task's two cores).
+ONE_A_NODE = {"NPROC_PER_NODE": "1"}
+ONE_A_NODE_ARGS = [*SYNTHETIC, "--batch-size", str(GLOBAL_BATCH // NODES), "--workers", "0"]
 RENDEZVOUS = re.compile(r"^job (\d+) restart (\d+): .* rendezvous (\S+):(\d+)$", re.M)
 
 
@@ -54,19 +59,19 @@ class Job:
         return self.proc.returncode
 
 
-def rounds(log):
-    """The launch lines in groups of one rendezvous round (NODES x NPROC lines), in order."""
+def rounds(log, nproc=NPROC):
+    """The launch lines in groups of one rendezvous round (NODES x nproc lines), in order."""
     launches = Result(0, log, "", 0).launches()  # (rank, world, local rank, host, pid, device, backend, addr, port)
-    return [launches[i:i + NODES * NPROC] for i in range(0, len(launches), NODES * NPROC)]
+    return [launches[i:i + NODES * nproc] for i in range(0, len(launches), NODES * nproc)]
 
 
-def check_round(launches, log, pair=SLURM_NODES):
-    """Ranks 0-3 once each, two per node (of the pair that ran the job) with local ranks 0 and 1, one master
-    address for all."""
-    assert sorted(int(launch[0]) for launch in launches) == list(range(NODES * NPROC)), log
-    assert {int(launch[1]) for launch in launches} == {NODES * NPROC}, log
+def check_round(launches, log, pair=SLURM_NODES, nproc=NPROC):
+    """Ranks 0 to NODES x nproc - 1 once each, nproc per node (of the pair that ran the job) with local ranks
+    0 to nproc - 1, one master address for all."""
+    assert sorted(int(launch[0]) for launch in launches) == list(range(NODES * nproc)), log
+    assert {int(launch[1]) for launch in launches} == {NODES * nproc}, log
     for host in pair:
-        assert sorted(int(launch[2]) for launch in launches if launch[3] == host) == [0, 1], log
+        assert sorted(int(launch[2]) for launch in launches if launch[3] == host) == list(range(nproc)), log
     assert len({(launch[7], launch[8]) for launch in launches}) == 1, log
 
 
@@ -129,33 +134,33 @@ def interrupt_in_epoch_2(folder, interrupt):
     """Submits a 2-epoch job whose workers hold after epoch 2's step 10 (hold_env), runs interrupt(job, log) then,
     and returns the job. The restarted or requeued workers hold nowhere: they have held once already."""
     hold, held, _ = hold_env(folder, STEPS_PER_EPOCH + 10)
-    job = Job(folder, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"],
-              env={**site_env(folder), **hold})
-    wait_for(lambda: len(held()) == NODES * NPROC, 120, "every worker held in epoch 2", job.details)
+    job = Job(folder, [*ONE_A_NODE_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"],
+              env={**site_env(folder), **hold, **ONE_A_NODE})
+    wait_for(lambda: len(held()) == NODES, 120, "every worker held in epoch 2", job.details)
     interrupt(job, job.log())
     return job
 
 
 def test_killed_worker_restarts_the_round_on_both_nodes(slurm, torchrun_run, reference, tmp_path):
-    """SIGKILL to one worker on n2 in epoch 2: torchrun restarts the workers of both nodes in a new round,
+    """SIGKILL to the worker on n2 in epoch 2: torchrun restarts the workers of both nodes in a new round,
     which resumes after epoch 1 and ends with the weights of the uninterrupted run."""
     killed = {}
 
-    def kill_rank_3(job, log):
-        (launches,) = rounds(log)
-        rank3 = next(launch for launch in launches if launch[0] == "3")
-        killed.update(host=rank3[3], pid=int(rank3[4]))
+    def kill_rank_1(job, log):
+        (launches,) = rounds(log, nproc=1)
+        rank1 = next(launch for launch in launches if launch[0] == "1")
+        killed.update(host=rank1[3], pid=int(rank1[4]))
         os.kill(killed["pid"], signal.SIGKILL)  # pids are global on this machine, namespaces or not
 
     start = time.monotonic()
-    job = interrupt_in_epoch_2(tmp_path, kill_rank_3)
+    job = interrupt_in_epoch_2(tmp_path, kill_rank_1)
     assert job.finish(180) == 0, job.details()
     log = job.log()
     print(f"04 worker killed and restarted: {time.monotonic() - start:.1f} s")
     assert killed["host"] == SLURM_NODES[1], log
-    first, second = rounds(log)  # exactly two rounds: the first one and its restart
-    check_round(first, log)
-    check_round(second, log)
+    first, second = rounds(log, nproc=1)  # exactly two rounds: the first one and its restart
+    check_round(first, log, nproc=1)
+    check_round(second, log, nproc=1)
     # Every worker is new in the second round, those on n1 too, whose processes had not failed.
     assert not {launch[4] for launch in first} & {launch[4] for launch in second}, log
     assert "restart 1:" not in log, log  # torchrun restarted, not Slurm
@@ -183,13 +188,13 @@ def test_requeued_job_resumes_from_the_last_epoch(slurm, torchrun_run, reference
     print(f"04 requeue to resume: {requeue_to_resume:.1f} s")
     before, after = re.split(r"^job \d+ restart 1: .*$", log, flags=re.M)  # the requeued job's first line
     # Before: one round, stopped by SIGTERM in each torchrun (no restart of its own) before epoch 2 ended.
-    (first,) = rounds(before)
-    check_round(first, log)
+    (first,) = rounds(before, nproc=1)
+    check_round(first, log, nproc=1)
     assert before.count("death signal, shutting down workers") == NODES, log
     assert epoch_lines(before) == [1], log
     # After: the same job id, one new round that resumes after epoch 1 and does epoch 2.
-    (second,) = rounds(after)
-    check_round(second, log)
+    (second,) = rounds(after, nproc=1)
+    check_round(second, log, nproc=1)
     assert f"resumed from {job.log_path.parent}/ckpt.pt after epoch 1" in after, log
     assert epoch_lines(after) == [2], log
     check_weights(job.log_path.parent / "ckpt.pt", torchrun_run["checkpoint"], reference.epoch2, "requeued")
@@ -199,16 +204,16 @@ def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
     """Job b would start at the port that job a holds (as jobs 12000 ids apart would): b takes the next free
     one. Both run at once on both nodes (1 CPU per node each) and both end with the right weights."""
     start = time.monotonic()
-    b = Job(tmp_path / "b", [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/b.pt"], cpus=1,
-            sbatch_args=["--hold"])  # held until a's rendezvous is up
+    b = Job(tmp_path / "b", [*ONE_A_NODE_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/b.pt"], cpus=1,
+            env=ONE_A_NODE, sbatch_args=["--hold"])  # held until a's rendezvous is up
     port, next_port = (20000 + (b.id + i) % 12000 for i in (0, 1))  # where submit.sh starts looking for b
     hold, held, release = hold_env(tmp_path, 10)  # job a's workers wait at step 10 until b has its port
     try:
-        a = Job(tmp_path / "a", [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/a.pt"], cpus=1,
-                env={"RDZV_PORT": str(port), **site_env(tmp_path), **hold})
-        wait_for(lambda: len(held()) == NODES * NPROC, 120, "job a held", a.details)  # its store holds the port
+        a = Job(tmp_path / "a", [*ONE_A_NODE_ARGS, "--epochs", "2", "--checkpoint", f"{tmp_path}/a.pt"], cpus=1,
+                env={"RDZV_PORT": str(port), **site_env(tmp_path), **hold, **ONE_A_NODE})
+        wait_for(lambda: len(held()) == NODES, 120, "job a held", a.details)  # its store holds the port
         subprocess.run(["scontrol", "release", str(b.id)], check=True)
-        b.wait_log(re.compile(r"^rank 3/4 ", re.M), 120, "job b's rendezvous")
+        b.wait_log(re.compile(r"^rank 1/2 ", re.M), 120, "job b's rendezvous")
         assert squeue(a.id) == squeue(b.id) == "RUNNING", a.details() + b.details()  # together
     except BaseException:
         subprocess.run(["scancel", str(b.id)])
@@ -221,7 +226,7 @@ def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
     ports = {name: int(RENDEZVOUS.search(log).group(4)) for name, log in logs.items()}
     assert ports == {"a": port, "b": next_port}, logs
     for name, log in logs.items():
-        (launches,) = rounds(log)
-        check_round(launches, log)
+        (launches,) = rounds(log, nproc=1)
+        check_round(launches, log, nproc=1)
         assert max_abs_diff(weights(f"{tmp_path}/{name}.pt"), weights(reference.epoch2)) <= TOLERANCE
     print(f"04 two jobs at once: {time.monotonic() - start:.1f} s, ports {ports}")
