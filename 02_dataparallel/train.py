@@ -226,7 +226,7 @@ def evaluate(model, loader, device, seed):
 
 
 def save_checkpoint(path, checkpointed, progress):
-    """Saves each object's state_dict() by name, and the progress (plain numbers). A crash while
+    """Saves each object's state_dict() by name, and the progress (plain data). A crash while
     writing leaves the previous file whole."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:

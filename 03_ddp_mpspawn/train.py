@@ -254,7 +254,7 @@ def evaluate(model, loader, device, seed):
 
 
 def save_checkpoint(path, checkpointed, progress):
-    """Saves each object's state_dict() by name, and the progress (plain numbers). A crash while
+    """Saves each object's state_dict() by name, and the progress (plain data). A crash while
     writing leaves the previous file whole."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
@@ -391,15 +391,15 @@ def check_same_checkpoint(path, resumed, load_error, group):
         if error:  # the first rank that could not use the file
             exit_with_error(f"cannot resume from {path} (rank {rank} on {host}): {error}")
     positions = [(found["epoch"], found.get("step", 0)) if found else "no file"
-                 for _, found, _ in every_rank]  # (epoch, step)
+                 for _, found, _ in every_rank]  # (epochs done, step)
     # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.
     rank_0_found = repr(every_rank[0][1])
     others = [f"rank {rank} on {host} finds {positions[rank]}"
               for rank, (host, found, _) in enumerate(every_rank) if repr(found) != rank_0_found]
     if others:
-        exit_with_error(f"ranks see another checkpoint at {path} than rank 0, which finds (epoch, "
-                        f"step) {positions[0]}: {', '.join(others)}; start again once every node "
-                        "sees rank 0's file")
+        exit_with_error(f"ranks see another checkpoint at {path} than rank 0 on "
+                        f"{every_rank[0][0]}, which finds (epochs done, step) {positions[0]}: "
+                        f"{', '.join(others)}; start again once every node sees the same file")
 
 
 if __name__ == "__main__":

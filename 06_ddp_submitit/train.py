@@ -293,9 +293,9 @@ def max_over_ranks(values, device):
 
 class StopCheck:
     """SLURM: asks the ranks, from first_step on, whether any had a stop signal and whether a
-    --save-every save is due (--save-every minutes after this StopCheck was made: the run's start
-    or the last save). Not at every step, as each check is a collective that waits for the GPU:
-    as many steps apart as take STOP_CHECK_SECONDS, the spacing at most doubling each time."""
+    --save-every save is due (--save-every minutes after this StopCheck was made: at the epoch's
+    start or its last save). Not at every step, as each check is a collective that waits for the
+    GPU: as many steps apart as take STOP_CHECK_SECONDS, the spacing at most doubling each time."""
 
     def __init__(self, first_step, save_every_minutes, device):
         self.next_step, self.steps_apart, self.device = first_step, 1, device
@@ -391,7 +391,7 @@ def save_inside_epoch(args, checkpointed, progress, gloo_group, stop_signal=0):
     return time.perf_counter() - began
 
 
-def stop_run(args, checkpointed, progress, stop_signal, gloo_group):
+def stop_run(args, checkpointed, progress, gloo_group, stop_signal):
     """SLURM: the end of a run whose ranks agreed to stop: rank 0 saves the step and says what
     comes next. Returns the exit code, REQUEUE_EXIT_CODE where submit.sh requeues the job."""
     save_seconds = save_inside_epoch(args, checkpointed, progress, gloo_group, stop_signal)
@@ -531,7 +531,7 @@ def evaluate(model, loader, device, seed):
 
 
 def save_checkpoint(path, checkpointed, progress):
-    """Saves each object's state_dict() by name, and the progress (plain numbers). A crash while
+    """Saves each object's state_dict() by name, and the progress (plain data). A crash while
     writing leaves the previous file whole."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
@@ -621,7 +621,7 @@ def train(args, rank, world_size, device, gloo_group):
                                                              optimizer, peak_lrs, device, progress)
             samples += trained
             if stop_signal:  # SLURM: all ranks stopped at this step: save it, and end
-                return stop_run(args, checkpointed, progress, stop_signal, gloo_group)
+                return stop_run(args, checkpointed, progress, gloo_group, stop_signal)
             if save_due:  # SLURM: --save-every: save, and go on
                 save_inside_epoch(args, checkpointed, progress, gloo_group)
         train_time = time.perf_counter() - start
@@ -630,7 +630,7 @@ def train(args, rank, world_size, device, gloo_group):
                                             hash((args.seed, rank, epoch, -1)))
         stop_signal = int(max_over_ranks([stop_signal_received()], device)[0])
         if stop_signal:  # SLURM: during evaluate(): the next run evaluates again
-            return stop_run(args, checkpointed, progress, stop_signal, gloo_group)
+            return stop_run(args, checkpointed, progress, gloo_group, stop_signal)
         loss = progress["loss_sum"] / progress["count"]
         progress.update(epoch=epoch + 1, step=0, loss_sum=0.0, count=0.0, stalled_runs=0)  # SLURM
         if args.checkpoint and is_main:
@@ -757,15 +757,15 @@ def check_same_checkpoint(path, resumed, load_error, group):
         if error:  # the first rank that could not use the file
             exit_with_error(f"cannot resume from {path} (rank {rank} on {host}): {error}")
     positions = [(found["epoch"], found.get("step", 0)) if found else "no file"
-                 for _, found, _ in every_rank]  # (epoch, step)
+                 for _, found, _ in every_rank]  # (epochs done, step)
     # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.
     rank_0_found = repr(every_rank[0][1])
     others = [f"rank {rank} on {host} finds {positions[rank]}"
               for rank, (host, found, _) in enumerate(every_rank) if repr(found) != rank_0_found]
     if others:
-        exit_with_error(f"ranks see another checkpoint at {path} than rank 0, which finds (epoch, "
-                        f"step) {positions[0]}: {', '.join(others)}; start again once every node "
-                        "sees rank 0's file")
+        exit_with_error(f"ranks see another checkpoint at {path} than rank 0 on "
+                        f"{every_rank[0][0]}, which finds (epochs done, step) {positions[0]}: "
+                        f"{', '.join(others)}; start again once every node sees the same file")
 
 
 def tasks_on_node(node_id, default):
@@ -877,7 +877,10 @@ def check_gpus_not_shared(device, group):
 def check_sample_order(path, resumed, progress):
     """SLURM: a checkpoint saved inside an epoch resumes only where its steps take the same
     samples: the same global batch, seed and data size."""
-    if not isinstance(resumed.get("sample_order"), dict):  # a list before 2026-11-28
+    if isinstance(resumed.get("sample_order"), list):  # as 05 saved it until 2026-11-28
+        resumed["sample_order"] = dict(zip(["global_batch", "seed", "train_samples"],
+                                           resumed["sample_order"]))
+    if "sample_order" not in resumed:
         exit_with_error(f"{path} was saved inside an epoch by an older train.py: resume it with "
                         "that one, or from an end-of-epoch checkpoint")
     if resumed["sample_order"] == progress["sample_order"]:

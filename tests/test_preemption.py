@@ -277,9 +277,9 @@ def test_05_a_rank_that_sees_another_checkpoint_stops_the_run_with_one_line(clus
     assert all(code != 0 for code in codes), output
     errors = [line for line in output.splitlines() if "error" in line.lower()]
     host = os.uname().nodename
-    assert errors == [f"error: ranks see another checkpoint at ckpt.pt than rank 0, which finds (epoch, step) (2, 0): "
-                      f"rank 1 on {host} finds no file, rank 2 on {host} finds (1, 0); start again once every node "
-                      "sees rank 0's file"], output
+    assert errors == [f"error: ranks see another checkpoint at ckpt.pt than rank 0 on {host}, which finds (epochs "
+                      f"done, step) (2, 0): rank 1 on {host} finds no file, rank 2 on {host} finds (1, 0); start again "
+                      "once every node sees the same file"], output
     assert "Traceback" not in output and "epoch 3/3" not in output, output
     assert (folders[0] / "ckpt.pt").read_bytes() == ladder("05_ddp_slurm").final.read_bytes()  # nothing saved
 
@@ -533,3 +533,18 @@ def test_05_started_without_submit_sh_says_that_nothing_requeues(monkeypatch, ca
     assert code == REQUEUE_CODE and len(stops) == 1 and re.fullmatch(
         r"stopped at epoch 1 step 0 on SIGUSR2: saved in [\d.]+ s, exit code 144" + re.escape(
             f"{' ' if requeue_on_144 else ''}{outcome}"), stops[0]), output
+
+
+def test_05_resumes_a_mid_epoch_checkpoint_whose_sample_order_is_a_list(monkeypatch, capsys):
+    """05 and 06 saved the sample order as [global batch, seed, training samples] until 2026-11-28 (now by name): a
+    job requeued across the update resumes its step, where it would exit 1 and never be requeued again; a
+    checkpoint of another seed is still refused."""
+    module = load_step_module("05_ddp_slurm")
+    monkeypatch.setattr(module.dist, "get_rank", lambda group=None: 0)
+    now = {"world_size": 2, "batch_size": 32, "accumulate": 1,
+           "sample_order": {"global_batch": 64, "seed": 0, "train_samples": 3200}}
+    saved = dict(now, epoch=1, step=10, sample_order=[64, 0, 3200])
+    module.check_sample_order("ckpt.pt", saved, now)  # no exit
+    with pytest.raises(SystemExit):
+        module.check_sample_order("ckpt.pt", dict(saved, sample_order=[64, 1, 3200]), now)
+    assert "--seed 1 and 3200 training samples" in capsys.readouterr().err
