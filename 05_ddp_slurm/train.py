@@ -444,9 +444,10 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress):
                   flush=True)
             logged_sums, logged_at = sums.clone(), now
     dist.all_reduce(sums)  # DDP: sum over ranks, so that rank 0 reports the global mean loss
-    progress["loss_sum"] += sums[0].item()
-    progress["count"] += sums[1].item()
-    return int(sums[2]), stop_signal, save_due
+    loss_sum, count, samples = sums.tolist()  # one GPU sync
+    progress["loss_sum"] += loss_sum
+    progress["count"] += count
+    return int(samples), stop_signal, save_due
 
 
 @torch.no_grad()
@@ -755,6 +756,7 @@ def check_sample_order(path, resumed, progress):
 
 
 CHECK_STEPS = 20  # --check's timed optimizer steps, after one that warms up
+CHECK_ALLREDUCES = 5  # and its timed all-reduces of DDP_BUCKET_BYTES, after one untimed
 DDP_BUCKET_BYTES = 25 * 2**20  # what each of DDP's all-reduces sends (its bucket_cap_mb)
 STOP_EXIT_SECONDS = 30  # a stopped job's exit and requeue, after its save (srun's --wait=30)
 
@@ -766,23 +768,23 @@ def check_job(args, ddp_model, train_loader, optimizer, checkpointed, device, gl
     fit the signal's lead."""
     gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
     this_task = (socket.gethostname(), host_address(socket.gethostname()),
-                 f"{gpu.name}, PCI bus {gpu.pci_bus_id}" if gpu else "cpu",
-                 len(os.sched_getaffinity(0)), args.workers, torch.get_num_threads())
+                 (dist.get_rank(), f"{gpu.name}, PCI bus {gpu.pci_bus_id}" if gpu else "cpu",
+                  len(os.sched_getaffinity(0)), args.workers, torch.get_num_threads()))
     every_task = [None] * dist.get_world_size()
     dist.all_gather_object(every_task, this_task, group=gloo_group)
     step_seconds, allreduce_seconds, save_seconds, peak_memory = time_job(
         args, ddp_model, train_loader, optimizer, checkpointed, device, gloo_group)
     world_size = dist.get_world_size()
     if dist.get_rank() == 0:
-        for host in dict.fromkeys(task[0] for task in every_task):  # one line a node
-            tasks = [(task_rank, *task[2:]) for task_rank, task in enumerate(every_task)
-                     if task[0] == host]
-            address = next(task[1] for task in every_task if task[0] == host)
+        hosts = list(dict.fromkeys(host for host, _, _ in every_task))  # in rank order
+        for host in hosts:  # one line a node
+            address = next(address for name, address, _ in every_task if name == host)
+            tasks = [task for name, _, task in every_task if name == host]
             print(f"node {host} (its name resolves to {address}): (rank, device, cores, workers, "
                   f"threads) {tasks}", flush=True)
         # A ring all-reduce sends 2 (n - 1) / n of the buffer over each rank's link.
         bus_gb_per_s = DDP_BUCKET_BYTES * 2 * (world_size - 1) / world_size / allreduce_seconds
-        print(f"check: {world_size} ranks, {len(set(task[0] for task in every_task))} nodes, "
+        print(f"check: {world_size} ranks, {len(hosts)} nodes, "
               f"{args.batch_size * args.accumulate * world_size / step_seconds:.0f} samples/s, "
               f"peak GPU memory (PyTorch's) {peak_memory:.1f} GiB, all-reduce of DDP's "
               f"{DDP_BUCKET_BYTES / 2**20:.0f} MiB bucket in {allreduce_seconds * 1e3:.1f} ms "
@@ -820,10 +822,10 @@ def time_job(args, ddp_model, train_loader, optimizer, checkpointed, device, glo
     dist.all_reduce(bucket)  # NCCL may connect its ring at a size's first all-reduce: not timed
     max_over_ranks([0], device)
     started = time.perf_counter()
-    for _ in range(5):
+    for _ in range(CHECK_ALLREDUCES):
         dist.all_reduce(bucket)
     max_over_ranks([0], device)
-    allreduce_seconds = (time.perf_counter() - started) / 5
+    allreduce_seconds = (time.perf_counter() - started) / CHECK_ALLREDUCES
     started = time.perf_counter()
     if args.checkpoint and dist.get_rank() == 0:
         save_checkpoint(f"{args.checkpoint}.check", checkpointed, {})

@@ -22,7 +22,7 @@ ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "SET_BY_06", "ch
          # The site checks, set apart at the end of the file.
          "check_same_checkpoint", "tasks_on_node", "gpus_on_node", "check_launch",
          "host_address", "check_checkpoint_folder_shared", "check_gpus_not_shared", "check_sample_order",
-         "CHECK_STEPS", "DDP_BUCKET_BYTES", "STOP_EXIT_SECONDS", "check_job", "time_job"]
+         "CHECK_STEPS", "CHECK_ALLREDUCES", "DDP_BUCKET_BYTES", "STOP_EXIT_SECONDS", "check_job", "time_job"]
 SHARED = {
     "METRIC": ["01 02 03 04 05 06"],
     "loss_and_metric": ["01 02 03 04 05 06"],
@@ -60,6 +60,7 @@ SHARED = {
     "host_address": ["05 06"],
     "check_checkpoint_folder_shared": ["05 06"],
     "CHECK_STEPS": ["05 06"],
+    "CHECK_ALLREDUCES": ["05 06"],
     "DDP_BUCKET_BYTES": ["05 06"],
     "STOP_EXIT_SECONDS": ["05 06"],
     "SIGNAL_LEAD_SECONDS": ["05 06"],
