@@ -268,10 +268,10 @@ def save_checkpoint(path, checkpointed, progress):
 
 
 def load_checkpoint(path, checkpointed):
-    """Restores each object of checkpointed from path. Returns (the progress saved with them,
-    {"epoch": ...}, or None where there is no path or no file; why the file cannot be used, or
-    None). The file is mapped, not read: a tensor is copied at most once, onto this process's
-    device (on a CPU, the optimizer keeps some mapped)."""
+    """Restores each object of checkpointed from path. Returns (progress, error): the progress
+    saved with them ({"epoch": ...}, None where there is no path or no file), and why the file
+    cannot be used (or None). The file is mapped, not read: a tensor is copied at most once, onto
+    this process's device (on a CPU, the optimizer keeps some mapped)."""
     if not path or not os.path.exists(path):
         return None, None
     try:
@@ -377,18 +377,18 @@ def check_same_checkpoint(path, resumed, load_error, group):
     """DDP: every rank loads the checkpoint itself (a node's ranks share the file's pages). If one
     could not use it, or found no file or another, as where a node's view of shared storage lags,
     all end with rank 0's line rather than train from different states."""
-    every_rank = [None] * dist.get_world_size()
-    this_rank = (socket.gethostname(), resumed, load_error)
-    dist.all_gather_object(every_rank, this_rank, group=group)  # DDP: what every rank found
+    every_rank = [None] * dist.get_world_size()  # (host, progress, error) of each rank
+    found_here = (socket.gethostname(), resumed, load_error)
+    dist.all_gather_object(every_rank, found_here, group=group)  # DDP: what every rank found
     for rank, (host, _, error) in enumerate(every_rank):
         if error:  # the first rank that could not use the file
             exit_with_error(f"cannot resume from {path} (rank {rank} on {host}): {error}")
     positions = [(found["epoch"], found.get("step", 0)) if found else "no file"
                  for _, found, _ in every_rank]  # (epochs done, step)
     # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.
-    rank_0_found = repr(every_rank[0][1])
+    rank_0_text = repr(every_rank[0][1])
     others = [f"rank {rank} on {host} finds {positions[rank]}"
-              for rank, (host, found, _) in enumerate(every_rank) if repr(found) != rank_0_found]
+              for rank, (host, found, _) in enumerate(every_rank) if repr(found) != rank_0_text]
     if others:
         exit_with_error(f"ranks see another checkpoint at {path} than rank 0 on "
                         f"{every_rank[0][0]}, which finds (epochs done, step) {positions[0]}: "

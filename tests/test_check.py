@@ -60,6 +60,9 @@ def test_check_fails_where_a_stop_does_not_fit_the_signals_lead(tmp_path, monkey
     one line and exit code 1. The same run with the save as fast as it is passes, and resumes the checkpoint first
     (--check tries the resume: a file the job could not resume ends it as it would end the job)."""
     module = load_step_module("05_ddp_slurm")
+    for name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS"):  # --check sets them here: gone after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     checkpoint = tmp_path / "ckpt.pt"
     flags = [*SYNTHETIC, "--log-interval", "0", "--epochs", "1", "--checkpoint", str(checkpoint)]
     assert train_in_process("05_ddp_slurm", flags, capsys)[0] == 0

@@ -520,7 +520,7 @@ def test_05_the_stop_check_is_bounded_in_time_and_cheap(monkeypatch):
 
 
 @pytest.mark.parametrize("requeue_on_144", ["", "1"])
-def test_05_started_without_submit_sh_says_that_nothing_requeues(monkeypatch, capsys, tmp_path, requeue_on_144):
+def test_05_stop_line_says_whether_anything_requeues(monkeypatch, capsys, tmp_path, requeue_on_144):
     """05 tried under torchrun, as its page suggests before a Slurm job, or started by hand with srun inside an
     allocation: a stop saves the step, and the stop line says that nothing requeues it and how to resume, where it
     said "exit code 144 to be requeued". submit.sh (and 06's launcher) export REQUEUE_ON_144=1: then it is."""
