@@ -377,6 +377,7 @@ SLURM_PARTITION, SLURM_HIGH = (f"low{WORKER or ''}", f"high{WORKER or ''}")  # p
 _prefix = os.environ.get("SLURM_TEST_NODE_PREFIX", "n")
 SLURM_NODES = [f"{_prefix}{2 * WORKER + 1}", f"{_prefix}{2 * WORKER + 2}"]  # the pair's nodes, in order
 STARTED_BY = SLURM_DIR / "started-by-pytest"  # the run that started the cluster stops it at its end
+STAND_INS = f"{SLURM_DIR}/gpu"  # the device files of the test cluster's GPUs (tests/slurm_cluster.sh)
 
 
 def cpu_seconds():

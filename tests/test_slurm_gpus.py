@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SLURM_DIR, SLURM_NODES, SYNTHETIC, child_env, read_line, wait_for
+from conftest import REPO, SLURM_NODES, STAND_INS, SYNTHETIC, child_env, read_line, wait_for
 from test_slurm import accounted_runs, job_state, read
+from test_slurm_torchrun import torchrun_run  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm")]  # on this worker's pair (conftest.py)
 N1, N2 = SLURM_NODES  # this worker's pair of nodes
 WIDE = [f"{os.environ.get('SLURM_TEST_NODE_PREFIX', 'n')}w{i}" for i in (1, 2)]  # partition wide: 4 CPUs a node
-STAND_INS = f"{SLURM_DIR}/gpu"  # the device files of the test cluster's GPUs (tests/slurm_cluster.sh)
 
 
 def without_cpus_per_task(script):
@@ -158,13 +158,13 @@ def test_04_counts_the_gpus_of_a_node_without_gres_by_its_device_files(tmp_path)
     assert "rendezvous" not in log and "epoch" not in log, log  # torchrun never started
 
 
-def test_04_runs_a_job_that_asked_for_no_gpus_on_the_cpu_beside_the_device_files(tmp_path):
+def test_04_runs_a_job_that_asked_for_no_gpus_on_the_cpu_beside_the_device_files(torchrun_run):
     """--gpus-per-node=0 on GPU nodes (the pages' CPU examples): Slurm sets SLURM_GPUS_PER_NODE=0, so 04 counts
-    no device files and starts 2 processes a node on the CPU (it counted the stand-ins and refused the node)."""
-    code, log, _, _ = sbatch(tmp_path / "job", "04_ddp_torchrun/submit.sh", ["--gpus-per-node=0", "--cpus-per-task=2"],
-                             [*SYNTHETIC, "--epochs", "1"], fake_cuda=False, env={"GPU_DEVICES": STAND_INS})
-    assert code == 0, log
-    assert "2 processes per node" in log and "error" not in log, log
+    no device files and starts 2 processes a node on the CPU (it counted the stand-ins and refused the node). The
+    job: test_slurm_torchrun.py's uninterrupted one, which runs beside the stand-ins (GPU_DEVICES)."""
+    log = torchrun_run["log"]
+    assert torchrun_run["code"] == 0, torchrun_run["details"]
+    assert "2 processes per node (0 GPUs, 2 cores)" in log and "error" not in log, log
 
 
 def test_04_refuses_nodes_whose_cuda_finds_no_gpu(tmp_path):
