@@ -3,8 +3,11 @@
 CUDA is stood in for in the tasks by a sitecustomize that counts the CUDA_VISIBLE_DEVICES Slurm set and stops the
 task once it has chosen its device (before set_device and NCCL): each task records the GPU it would take. Without
 the stand-in, CUDA finds no GPU here, as on a node whose driver is down. The batch scripts run with a python that
-exists only inside job steps, as where Python lives in the container alone."""
+exists only inside job steps, as where Python lives in the container alone; except the CPU job on GPU nodes, whose
+log test_slurm_torchrun.py's uninterrupted job gives."""
+import glob
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SLURM_NODES, STAND_INS, SYNTHETIC, child_env, read_line, wait_for
+from conftest import REPO, SLURM_NODES, STAND_INS, SYNTHETIC, Result, child_env, read_line, wait_for
 from test_slurm import accounted_runs, job_state, read
 from test_slurm_torchrun import torchrun_run  # noqa: F401  (a fixture)
 
@@ -163,8 +166,12 @@ def test_04_runs_a_job_that_asked_for_no_gpus_on_the_cpu_beside_the_device_files
     no device files and starts 2 processes a node on the CPU (it counted the stand-ins and refused the node). The
     job: test_slurm_torchrun.py's uninterrupted one, which runs beside the stand-ins (GPU_DEVICES)."""
     log = torchrun_run["log"]
+    assert torchrun_run["gpu_devices"] == STAND_INS and len(glob.glob(f"{STAND_INS}[0-9]*")) == 4  # beside them
     assert torchrun_run["code"] == 0, torchrun_run["details"]
-    assert "2 processes per node (0 GPUs, 2 cores)" in log and "error" not in log, log
+    # No node refused (submit.sh's "error: " line). Not "error" anywhere: an agent whose rendezvous host has left
+    # first warns "... failed to shutdown the rendezvous ... due to an error of type RendezvousConnectionError".
+    assert "2 processes per node (0 GPUs, 2 cores)" in log and not re.search(r"^error: ", log, re.M), log
+    assert {(launch[5], launch[6]) for launch in Result(0, log, "", 0).launches()} == {("cpu", "gloo")}, log
 
 
 def test_04_refuses_nodes_whose_cuda_finds_no_gpu(tmp_path):

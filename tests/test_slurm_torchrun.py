@@ -80,12 +80,14 @@ def epoch_lines(log):
 
 
 def check_weights(checkpoint, uninterrupted, reference, what):
-    """Within TOLERANCE of the uninterrupted run and of 01. Not bit for bit: with four ranks a resumed run ends
+    """Within TOLERANCE of the uninterrupted run (torchrun_run, which must have ended well) and of 01. Not bit for
+    bit: with four ranks a resumed run ends
     about 1e-7 away from an uninterrupted one (with two, where a + b = b + a, they are equal). Probably the
     order of the allreduce's additions, which with four ranks follows a gradient's place in DDP's bucket, and
     DDP orders the bucket anew after a new process's first step."""
+    assert uninterrupted["code"] == 0, f"the uninterrupted run failed:\n{uninterrupted['details']}"
     resumed = weights(checkpoint)
-    diffs = max_abs_diff(resumed, weights(uninterrupted)), max_abs_diff(resumed, weights(reference))
+    diffs = max_abs_diff(resumed, weights(uninterrupted["checkpoint"])), max_abs_diff(resumed, weights(reference))
     print(f"{what}: max abs diff {diffs[0]:.2e} to the uninterrupted run, {diffs[1]:.2e} to 01")
     assert max(diffs) <= TOLERANCE
 
@@ -101,7 +103,8 @@ def torchrun_run(slurm, shared):
                   env={"GPU_DEVICES": STAND_INS})
         code = job.finish(180)
         return dict(code=code, job_id=job.id, details=job.details(), log=job.log(), checkpoint=folder / "ckpt.pt",
-                    seconds=time.monotonic() - start, pair=SLURM_NODES)  # the nodes of the worker that made it
+                    seconds=time.monotonic() - start, pair=SLURM_NODES,  # the nodes of the worker that made it
+                    gpu_devices=STAND_INS)
     return SharedRuns(shared, "torchrun-2x2", compute)
 
 
@@ -168,7 +171,7 @@ def test_killed_worker_restarts_the_round_on_both_nodes(slurm, torchrun_run, ref
     assert "restart 1:" not in log, log  # torchrun restarted, not Slurm
     assert log.count("resumed from") == 1 and f"resumed from {job.log_path.parent}/ckpt.pt after epoch 1" in log, log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
-    check_weights(job.log_path.parent / "ckpt.pt", torchrun_run["checkpoint"], reference.epoch2, "restarted")
+    check_weights(job.log_path.parent / "ckpt.pt", torchrun_run, reference.epoch2, "restarted")
 
 
 def test_requeued_job_resumes_from_the_last_epoch(slurm, torchrun_run, reference, tmp_path):
@@ -199,7 +202,7 @@ def test_requeued_job_resumes_from_the_last_epoch(slurm, torchrun_run, reference
     check_round(second, log, nproc=1)
     assert f"resumed from {job.log_path.parent}/ckpt.pt after epoch 1" in after, log
     assert epoch_lines(after) == [2], log
-    check_weights(job.log_path.parent / "ckpt.pt", torchrun_run["checkpoint"], reference.epoch2, "requeued")
+    check_weights(job.log_path.parent / "ckpt.pt", torchrun_run, reference.epoch2, "requeued")
 
 
 def test_two_jobs_at_once_do_not_collide(slurm, reference, tmp_path):
