@@ -166,7 +166,8 @@ def test_04_runs_a_job_that_asked_for_no_gpus_on_the_cpu_beside_the_device_files
     no device files and starts 2 processes a node on the CPU (it counted the stand-ins and refused the node). The
     job: test_slurm_torchrun.py's uninterrupted one, which runs beside the stand-ins (GPU_DEVICES)."""
     log = torchrun_run["log"]
-    assert torchrun_run["gpu_devices"] == STAND_INS and len(glob.glob(f"{STAND_INS}[0-9]*")) == 4  # beside them
+    assert torchrun_run["gpu_devices"] == STAND_INS, "the job did not run beside the stand-in device files"
+    assert len(glob.glob(f"{STAND_INS}[0-9]*")) == 4, f"no stand-in device files at {STAND_INS}0-3"
     assert torchrun_run["code"] == 0, torchrun_run["details"]
     # No node refused (submit.sh's "error: " line). Not "error" anywhere: an agent whose rendezvous host has left
     # first warns "... failed to shutdown the rendezvous ... due to an error of type RendezvousConnectionError".

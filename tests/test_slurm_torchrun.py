@@ -81,10 +81,10 @@ def epoch_lines(log):
 
 def check_weights(checkpoint, uninterrupted, reference, what):
     """Within TOLERANCE of the uninterrupted run (torchrun_run, which must have ended well) and of 01. Not bit for
-    bit: with four ranks a resumed run ends
-    about 1e-7 away from an uninterrupted one (with two, where a + b = b + a, they are equal). Probably the
-    order of the allreduce's additions, which with four ranks follows a gradient's place in DDP's bucket, and
-    DDP orders the bucket anew after a new process's first step."""
+    bit: the interrupted jobs run one process a node (2 ranks), the uninterrupted one two (4 ranks), and the
+    sums of another layout round otherwise. (With four ranks a resumed run also ended about 1e-7 away from an
+    uninterrupted one of the same layout: probably the order of the allreduce's additions, which follows a
+    gradient's place in DDP's bucket, and DDP orders the bucket anew after a new process's first step.)"""
     assert uninterrupted["code"] == 0, f"the uninterrupted run failed:\n{uninterrupted['details']}"
     resumed = weights(checkpoint)
     diffs = max_abs_diff(resumed, weights(uninterrupted["checkpoint"])), max_abs_diff(resumed, weights(reference))
@@ -99,12 +99,12 @@ def torchrun_run(slurm, shared):
     files, as a CPU job on GPU nodes (test_slurm_gpus.py reads its log)."""
     def compute(folder):
         start = time.monotonic()
-        job = Job(folder, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"],
-                  env={"GPU_DEVICES": STAND_INS})
+        env = {"GPU_DEVICES": STAND_INS}
+        job = Job(folder, [*TRAIN_ARGS, "--epochs", "2", "--checkpoint", f"{folder}/ckpt.pt"], env=env)
         code = job.finish(180)
         return dict(code=code, job_id=job.id, details=job.details(), log=job.log(), checkpoint=folder / "ckpt.pt",
                     seconds=time.monotonic() - start, pair=SLURM_NODES,  # the nodes of the worker that made it
-                    gpu_devices=STAND_INS)
+                    gpu_devices=env.get("GPU_DEVICES"))
     return SharedRuns(shared, "torchrun-2x2", compute)
 
 
