@@ -81,8 +81,8 @@ def epoch_lines(log):
 
 def check_weights(checkpoint, uninterrupted, reference, what):
     """Within TOLERANCE of the uninterrupted run (torchrun_run, which must have ended well) and of 01. Not bit for
-    bit: the interrupted jobs run one process a node (2 ranks), the uninterrupted one two (4 ranks), and the
-    sums of another layout round otherwise. (With four ranks a resumed run also ended about 1e-7 away from an
+    bit: the interrupted jobs run one process a node (2 ranks), the uninterrupted one two (4 ranks), and sums
+    over another number of ranks round differently. (With four ranks a resumed run also ended about 1e-7 away from an
     uninterrupted one of the same layout: probably the order of the allreduce's additions, which follows a
     gradient's place in DDP's bucket, and DDP orders the bucket anew after a new process's first step.)"""
     assert uninterrupted["code"] == 0, f"the uninterrupted run failed:\n{uninterrupted['details']}"
