@@ -1,5 +1,5 @@
-"""A Python that has imported torch, and torch._dynamo (which torch.optim imports at its first call), once, and then
-forks a process for each script the tests start in it: such a process starts in a tenth of a second of CPU time
+"""A Python that has imported torch, and torch._dynamo (which an optimizer or DDP imports as it is built), once, and
+then forks a process for each script the tests start in it: such a process starts in a tenth of a second of CPU time
 instead of three and a half (the imports are most of a short run's cost). conftest.run() and conftest.Task use it
 for `python script.py` (01, 02, 03's and 06's launchers, 05's tasks as srun starts them, copies of 05); the
 children of launchers (mp.spawn, torchrun, submitit), the data-loader workers that spawn or forkserver start, and
@@ -31,7 +31,7 @@ import struct
 import sys
 
 import torch
-import torch._dynamo  # noqa: F401  what the first torch.optim call imports: 1.5 s of a process's start
+import torch._dynamo  # noqa: F401  what building an optimizer or DDP imports: 1.5 s of a process's start
 
 
 def send(sock, message):
