@@ -215,8 +215,9 @@ def test_scancel_signal_usr2_reaches_the_tasks_and_with_batch_or_full_kills_the_
     job FAILED on signal 12: no requeue). A site template's `--signal=B:USR2@...` is the same as -b."""
     script = tmp_path / "job.sh"
     # The task's trap writes a file of its own: its echo, forwarded by slurmstepd as the task exits, can be lost.
+    # It waits in a loop: Slurm may signal the sleep before the shell, and a bare `sleep & wait` then ends first.
     script.write_text(f"#!/bin/bash\nsrun bash -c 'trap \"echo SIGUSR2 > {tmp_path}/task-signal; exit 0\" USR2; "
-                      "echo task: started; sleep 60 & wait'\necho \"batch shell: srun returned $?\"\n")
+                      "echo task: started; while :; do sleep 1 & wait; done'\necho \"batch shell: srun returned $?\"\n")
     done = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--cpus-per-task=1", "--time=2",
                            f"--output={tmp_path}/%j.out", str(script)], capture_output=True, text=True, timeout=30)
     job_id = int(done.stdout.strip())

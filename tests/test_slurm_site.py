@@ -18,22 +18,16 @@ N1, N2 = SLURM_NODES
 CANCEL = f"cancel{WORKER or ''}"  # this pair's partition with PreemptMode=CANCEL and GraceTime=30
 
 # Stands in for `python -u train.py ...` in 05's submit.sh: a task records that it started and, on SIGTERM, that it
-# stopped, waits until every task has (train.py's ranks meet at a barrier after rank 0's save), and exits 144 as
-# train.py does; a requeued run's tasks record that and end at once. Without the wait, 1 run in 8 beside a CPU hog
-# lost the other task's record: its step ended within 0.03 s of the first task's exit, unreported, before its trap
-# wrote (train.py's ranks leave only after that barrier, so nothing is lost there).
+# stopped, and exits 144 as train.py does after its save; a requeued run's tasks record that and end at once.
+# Slurm signals each process of a task, the sleep possibly before the shell: a bare `sleep 300 & wait` then ended
+# the task with 0 before its trap ran (1 run in 8 beside a CPU hog), so it waits in a loop only the trap leaves.
 TASK = """#!/bin/bash
 [[ -n ${SLURM_STEP_ID:-} ]] || { echo "python: not found" >&2; exit 127; }
 events=$(dirname "$0")/events
 if ((${SLURM_RESTART_COUNT:-0} > 0)); then echo "$SLURM_PROCID resumed" >>"$events"; exit 0; fi
-stop() {
-  echo "$SLURM_PROCID stopped" >>"$events"
-  for _ in {1..200}; do (($(grep -c stopped "$events") < SLURM_NTASKS)) || break; sleep 0.1; done  # 20 s at most
-  exit 144
-}
-trap stop TERM
+trap 'echo "$SLURM_PROCID stopped" >>"$events"; exit 144' TERM
 echo "$SLURM_PROCID started" >>"$events"
-sleep 300 & wait
+while :; do sleep 1 & wait; done
 """
 
 
