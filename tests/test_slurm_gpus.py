@@ -211,11 +211,13 @@ def test_05_refuses_tasks_that_do_not_match_the_gpus(tmp_path, gpus_per_node):
 @pytest.mark.parametrize("flags", [[], ["--batch"], ["--full"]])
 def test_scancel_signal_usr2_reaches_the_tasks_and_with_batch_or_full_kills_the_batch_shell(tmp_path, flags):
     """What 05's page tells users to try: `scancel --signal=USR2 JOBID` signals the tasks only (the stop that 05
-    turns into a save and a requeue); with -b or --full it also signals the batch shell, which dies of it (the
-    job FAILED on signal 12: no requeue). A site template's `--signal=B:USR2@...` is the same as -b."""
+    turns into a save and a requeue); -b signals the batch shell alone and --full the shell and the tasks, and
+    either way the shell dies of it (the job FAILED on signal 12: no requeue). A site template's
+    `--signal=B:USR2@...` is the same as -b."""
     script = tmp_path / "job.sh"
     # The task's trap writes a file of its own: its echo, forwarded by slurmstepd as the task exits, can be lost.
-    # It waits in a loop: Slurm may signal the sleep before the shell, and a bare `sleep & wait` then ends first.
+    # It waits in a loop: Slurm signals a task's children before its shell, and after a bare `sleep & wait` the
+    # shell could exit 0 before its own signal came.
     script.write_text(f"#!/bin/bash\nsrun bash -c 'trap \"echo SIGUSR2 > {tmp_path}/task-signal; exit 0\" USR2; "
                       "echo task: started; while :; do sleep 1 & wait; done'\necho \"batch shell: srun returned $?\"\n")
     done = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--cpus-per-task=1", "--time=2",
@@ -224,6 +226,8 @@ def test_scancel_signal_usr2_reaches_the_tasks_and_with_batch_or_full_kills_the_
     log = tmp_path / f"{job_id}.out"
     wait_for(lambda: "task: started" in read(log), 60, "the task to start", lambda: job_state(job_id))
     subprocess.run(["scancel", "--signal=USR2", *flags, str(job_id)], check=True, timeout=30)
+    if not flags:  # a task without the signal would loop to the time limit: say so before sacct's wait ends
+        wait_for(lambda: read(tmp_path / "task-signal"), 30, "the task's USR2 trap", lambda: job_state(job_id))
     states = accounted_runs(job_id)
     if not flags:
         assert states == ["COMPLETED"] and "batch shell: srun returned 0" in read(log), read(log)

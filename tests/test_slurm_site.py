@@ -19,8 +19,8 @@ CANCEL = f"cancel{WORKER or ''}"  # this pair's partition with PreemptMode=CANCE
 
 # Stands in for `python -u train.py ...` in 05's submit.sh: a task records that it started and, on SIGTERM, that it
 # stopped, and exits 144 as train.py does after its save; a requeued run's tasks record that and end at once.
-# Slurm signals each process of a task, the sleep possibly before the shell: a bare `sleep 300 & wait` then ended
-# the task with 0 before its trap ran (1 run in 8 beside a CPU hog), so it waits in a loop only the trap leaves.
+# Slurm (proctrack/linuxproc) signals a task's children before its shell: after a bare `sleep 300 & wait` the shell
+# could exit 0 before its own SIGTERM came (1 run in 8 beside a CPU hog), so it waits in a loop only the trap leaves.
 TASK = """#!/bin/bash
 [[ -n ${SLURM_STEP_ID:-} ]] || { echo "python: not found" >&2; exit 127; }
 events=$(dirname "$0")/events
