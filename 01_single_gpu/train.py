@@ -21,14 +21,8 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 
 def parse_args():
-    class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
-        # --help shows each flag's default, but no "(default: None)".
-        def _get_help_string(self, action):
-            return action.help if action.default is None else super()._get_help_string(action)
-
-    # The first line of the docstring names the step.
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=HelpWithDefaults)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # names the step
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="samples per micro-batch in each process")
@@ -75,9 +69,7 @@ def parse_args():
 # and its schedule.
 def load_datasets(args):
     """Returns (train, test): datasets that take one index and return one (image, label), as
-    torchvision's do. These two are decoded into memory once; yours may read each sample from disk.
-    Their images are not in 0..1 (as a BCE loss needs): MNIST is normalised to mean 0 and standard
-    deviation 1 (-0.42 to 2.82), the synthetic set is Gaussian."""
+    torchvision's do; yours may read each sample from disk. Images normalised, not in 0..1."""
     if args.dataset == "synthetic":
         # Each class is a fixed random pattern under noise, the same on every machine.
         generator = torch.Generator().manual_seed(1234)
@@ -91,11 +83,8 @@ def load_datasets(args):
         splits = [datasets.MNIST(args.data_dir, train=train, download=True)
                   for train in (True, False)]
     except (OSError, RuntimeError) as error:  # no internet, as on many compute nodes
-        reason = " ".join(str(error).split())  # torchvision's message spans lines
-        fetch = f"from torchvision.datasets import MNIST; MNIST('{args.data_dir}', download=True)"
         sys.exit(f"error: MNIST is not in {args.data_dir} and could not be downloaded "
-                 f"({reason}); fetch it where there is internet: python -c \"{fetch}\", "
-                 "then copy the folder (or use --dataset synthetic)")
+                 f"({type(error).__name__}): fetch it on a machine with internet (01's page)")
     return [TensorDataset((split.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, split.targets)
             for split in splits]
 
@@ -188,8 +177,7 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
     batches = iter(loader)  # draws the workers' seeds: from train()'s seeding, not a step's
     steps_per_epoch = math.ceil(len(loader) / args.accumulate)  # optimizer steps
     for step in range(steps_per_epoch):
-        # Dropout and other draws here as if the run was never stopped: seeded by the step (the
-        # data-loader workers' draws are not: 01's page).
+        # Dropout and other draws as if the run was never stopped: seeded by the step (01's page).
         # Not torch.manual_seed, which seeds every kind of device: 0.1 ms a call.
         seed = hash((args.seed, epoch, step))
         torch.default_generator.manual_seed(seed)

@@ -36,8 +36,9 @@ of two such medians, from the same rounds, printed for each size; above 1, the f
 - --amp: 01 --amp / 01: what bf16 autocast gains (GPUs from Ampere on; on a CPU without bf16 units it
   costs);
 - per-step reseed: 01 / the copy of 01 without it: below 1 by what the reseed costs;
-- stop checks: 05 at world size 1 (srun emulated) / 04 x1: what 05 adds a step, its stop checks (a
-  collective every few seconds) and signal handling, DDP on both sides;
+- stop vote: 05 with N processes (srun emulated) / 04 with N: what 05 adds a step, its stop vote (an
+  all-reduce of a CPU tensor over Gloo after every step, read before the next) and signal handling, DDP
+  on both sides;
 - gradient_as_bucket_view: 04 x1 / the copy of 04 without it: above 1 by what the option saves.
 
 With one GPU or on the CPU the multi-process configurations are as before: 03, 04, 05 and 06 with one
@@ -228,7 +229,6 @@ def configurations(gpus, cores):
         ("04 x1", "04_ddp_torchrun", "shipped", "torchrun", 1, cores, []),
         ("04 x1 no bucket view", "04_ddp_torchrun", "no-bucket-view", "torchrun", 1, cores, []),
         (f"04 x{n}", "04_ddp_torchrun", "shipped", "torchrun", n, each, []),
-        ("05 x1", "05_ddp_slurm", "shipped", "srun (emulated)", 1, cores, []),
         (f"05 x{n}", "05_ddp_slurm", "shipped", "srun (emulated)", n, each, []),
         (f"06 x{n}", "06_ddp_submitit", "shipped", "submitit --local", n, each, []),
     ]
@@ -243,7 +243,7 @@ def ratios(n):
         ("input pipeline: 01 / 01 prebatched", "01", "01 prebatched", 1),
         ("--amp: 01 --amp / 01", "01 --amp", "01", 1),
         ("per-step reseed: 01 / 01 no reseed", "01", "01 no reseed", 1),
-        ("stop checks: 05 x1 / 04 x1", "05 x1", "04 x1", 1),
+        (f"stop vote: 05 x{n} / 04 x{n}", f"05 x{n}", f"04 x{n}", 1),
         ("gradient_as_bucket_view: 04 x1 / 04 x1 no bucket view", "04 x1", "04 x1 no bucket view", 1),
     ]
 

@@ -37,7 +37,7 @@ TOLERANCE = 1e-5  # max abs difference between weights that the steps must meet
 EPOCH_LINE = re.compile(r"^epoch (\d+)/(\d+) \| train loss ([\d.]+) \| test loss ([\d.]+) \| test accuracy ([\d.]+) of "
                         r"(\d+) \| (\d+) samples/s \| ([\d.]+) s$", re.M)
 LAUNCH_LINE = re.compile(r"^rank (\d+)/(\d+) local_rank (\d+) host (\S+) pid (\d+) device (\S+) backend (\S+) "
-                         r"master (\S+):(\d+)$", re.M)
+                         r"(?:cores \d+ )?master (\S+):(\d+)$", re.M)  # 05 on: the task's cores
 
 
 def child_env(**extra):
@@ -256,7 +256,7 @@ def free_port():
 def slurm_task_env(rank, world_size, port, job_id="4242", **extra):
     """What srun gives each task of a one-node job, plus what submit.sh exports (and extra)."""
     return child_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS=str(world_size),
-                     SLURM_STEP_ID="0", SLURM_JOB_ID=job_id, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                     SLURM_STEP_TASKS_PER_NODE=str(world_size), SLURM_NODEID="0", SLURM_STEP_ID="0", SLURM_JOB_ID=job_id, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                      REQUEUE_ON_144="1", **extra)
 
 

@@ -43,9 +43,9 @@ SITE_CHECKS = "# Site checks"  # the line of train.py from which the site checks
 # the code of the step before changes, and the page says what each helper is for (IN_THE_FILE's keys: the
 # newer file of a diff).
 IN_THE_FILE = {
-    "05_ddp_slurm/train.py": ["catch_stop_signals", "stop_signal_received", "max_over_ranks", "StopCheck",
-                              "ResumableSampler", "start_progress", "save_inside_epoch", "stop_run"],
-    "06_ddp_submitit/train.py": ["add_submission_flags", "sbatch_option", "SET_BY_06", "check_submission_flags"],
+    "05_ddp_slurm/train.py": ["catch_stop_signals", "stop_signal_received", "StopVote", "ResumableSampler",
+                              "start_progress", "stop_run"],
+    "06_ddp_submitit/train.py": ["add_submission_flags", "sbatch_option", "check_submission_flags"],
 }
 SYNTHETIC = "--dataset synthetic --log-interval 25"
 # The commands a user types, as they are shown; each output block runs its own in a scratch folder.
@@ -58,8 +58,6 @@ OUTPUTS = {
     # 05 and 06: three epochs, so that the preemption, sent once epoch 1 has ended, lands inside training.
     "05": [f"sbatch --gpus-per-node=0 --nodes=2 --ntasks-per-node=1 --cpus-per-task=2 05_ddp_slurm/submit.sh "
            f"{SYNTHETIC} --batch-size 32 --checkpoint ckpt.pt --epochs 3"],
-    "05_check": ["sbatch --wait --time=10 --gpus-per-node=0 --nodes=2 --ntasks-per-node=1 --cpus-per-task=2 "
-                 "05_ddp_slurm/submit.sh --dataset synthetic --check", "cat ddp-slurm-*.out"],
     "06": [f"python 06_ddp_submitit/train.py --nodes 2 --tasks-per-node 1 --gpus-per-node 0 --cpus-per-task 2 "
            f"{SYNTHETIC} --batch-size 32 --checkpoint ckpt.pt --epochs 3"],
 }

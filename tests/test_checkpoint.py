@@ -228,33 +228,11 @@ def test_a_nan_loss_sum_in_the_checkpoint_is_the_same_checkpoint(monkeypatch):
     module.check_same_checkpoint("ckpt.pt", pickle.loads(pickle.dumps(rank0)), None, None)  # no exit
 
 
-def test_a_resume_says_which_flags_differ_from_the_checkpoints(tmp_path, capsys, monkeypatch):
-    """05 (and 06) save their flags: a new job that resumes the file with others applies them, by design, and rank 0
-    names each with the checkpoint's value and this run's (a requeue keeps the job's flags: no line)."""
-    flags = [*SYNTHETIC, "--log-interval", "0", "--checkpoint", str(tmp_path / "ckpt.pt")]
-    assert train_in_process("05_ddp_slurm", [*flags, "--epochs", "1"], capsys)[0] == 0
-    other = [*flags, "--epochs", "2", "--lr", "0.02", "--cosine"]
-    code, output = train_in_process("05_ddp_slurm", other, capsys)
-    assert code == 0 and re.search(r"^resumed from \S+ at epoch 2 step 0; flags that differ from the checkpoint's: "
-                                   r"--epochs 1 -> 2, --lr 0.01 -> 0.02, --cosine False -> True$", output, re.M), output
-    code, output = train_in_process("05_ddp_slurm", other, capsys)  # epoch 2's checkpoint holds these flags
-    assert code == 0 and re.search(r"^resumed from \S+ at epoch 3 step 0$", output, re.M), output
-    # 05 saved the flags with their types until 2026-11-28 (3, not "3"): a job requeued across the update names none.
-    latest = [*other, "--epochs", "3"]
-    monkeypatch.setattr(sys, "argv", ["train.py", *latest])
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    state["flags"] = vars(load_step_module("05_ddp_slurm").parse_args())
-    torch.save(state, tmp_path / "ckpt.pt")
-    code, output = train_in_process("05_ddp_slurm", latest, capsys)
-    assert code == 0 and re.search(r"^resumed from \S+ at epoch 3 step 0$", output, re.M), output
-
-
 def test_a_checkpoint_folder_that_rank_0_cannot_write_ends_with_one_line(tmp_path, capsys):
-    """05 (and 06): rank 0 makes a file beside the checkpoint, which every rank must see; a folder it cannot make or
-    write (a read-only mount, a full disk, a file in the path) ends every rank with rank 0's one line, where rank 0
-    raised a traceback and the others one of Gloo's."""
+    """05 (and 06): rank 0 writes a file beside the checkpoint, which every rank must see; a folder it cannot write
+    (a read-only mount, a full disk, a file in the path) ends the run with rank 0's one line, before anything else."""
     (tmp_path / "afile").write_text("")
     code, output = train_in_process("05_ddp_slurm", [*SYNTHETIC, "--checkpoint", str(tmp_path / "afile" / "c.pt")],
                                     capsys)
     assert code == 1 and re.fullmatch(rf"error: cannot write beside the checkpoint {tmp_path}/afile/c.pt: "
-                                      r"(FileExistsError|NotADirectoryError): .*\n", output), output
+                                      r"\[Errno 20\] Not a directory: .*\n", output), output

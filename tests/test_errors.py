@@ -35,14 +35,6 @@ BAD_ARGUMENTS = [
     ("--warmup 1 (the whole run)", "05_ddp_slurm", ["--warmup", "1"], "--warmup"),
     ("--warmup -0.1", "01_single_gpu", ["--warmup", "-0.1"], "--warmup"),
     ("--clip-grad -1", "04_ddp_torchrun", ["--clip-grad", "-1"], "--clip-grad"),
-    # sbatch options that 06 sets itself: submitit writes its own line after a --sbatch one, so the user's is lost
-    ("--sbatch gpus_per_node=2", "06_ddp_submitit", ["--local", "--sbatch", "gpus_per_node=2"],
-     "itself, from --gpus-per-node"),  # _ as -
-    ("--sbatch ntasks-per-node=8", "06_ddp_submitit", ["--sbatch", "ntasks-per-node=8"], "from --tasks-per-node"),
-    ("--sbatch=--time=10", "06_ddp_submitit", ["--sbatch=--time=10"], "from --timeout-min"),
-    ("--sbatch output=x.out", "06_ddp_submitit", ["--sbatch", "output=x.out"], "in --log-dir"),
-    ("--sbatch signal=USR1@60", "06_ddp_submitit", ["--sbatch", "signal=USR1@60"], "signal: 06 sets it"),
-    ("--sbatch requeue", "06_ddp_submitit", ["--sbatch", "requeue"], "requeue: 06 sets it itself, for its stop"),
 ]
 
 

@@ -138,7 +138,7 @@ def task_env(tmp_path_factory):
     site = tmp_path_factory.mktemp("task_site")
     (site / "sitecustomize.py").write_text(NO_TF32 + SITECUSTOMIZE + SIGNAL_AT_STEP)
     return lambda **extra: child_env(PYTHONPATH=str(site), TEST_START_METHOD="forkserver", TEST_STEP_CLOCK=STEP_CLOCK,
-                                     **extra)  # the step clock: a stop check every step
+                                     **extra)  # the step clock
 
 
 TRAIN_05 = [*SYNTHETIC[:2], "--batch-size", str(GLOBAL_BATCH), "--workers", "2", "--epochs", "2"]

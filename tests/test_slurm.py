@@ -3,6 +3,7 @@ the user's own submit.sh and submitit's Slurm executor, on 1 node x 2 tasks and 
 preemption that requeues and resumes, Slurm's own time-limit warning, many time-outs in one submitit
 job, two jobs at once on the same nodes, a rank that dies, and what accounting (sacct) records of each."""
 import os
+import random
 import re
 import shutil
 import signal
@@ -287,7 +288,8 @@ def test_submit_sh_through_a_time_limit_and_a_preemption(slurm, submit_sh_runs, 
     assert restarts == [0, 1, 2], log  # submit.sh's line, once per run
     assert log.count(f"job {job_id}: its tasks stopped and saved: requeueing it") == 2, log
     assert stops == [(1, 10), (1, 15)] and resumes == stops, log
-    assert re.findall(r"^stopped at epoch 2 step \d+ on (SIG\w+): saved in", log, re.M) == ["SIGUSR2", "SIGTERM"], log
+    assert re.findall(r"^stopped at epoch 2 step \d+ on (SIG\w+) [\d.]+ s after the signal was seen, saved in", log, re.M) == [
+        "SIGUSR2", "SIGTERM"], log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
     assert "killed by signal" not in log and "Traceback" not in log, log  # no data-loader worker died of a signal
     resumed, uninterrupted = weights(tmp_path / "ckpt.pt"), weights(submit_sh_runs["2x1"]["checkpoint"])
@@ -347,9 +349,8 @@ def test_scancel_saves_the_step_and_a_new_job_resumes_there(slurm, submit_sh_run
     stops = stops_and_resumes(log)[0]
     assert stops == [(1, 10)] and "requeueing" not in log, log
     step = 10
-    # The stop line says what follows a scancel, where it said "exit code 144 to be requeued" alone.
-    assert re.search(rf"^stopped at epoch 2 step \d+ on SIGTERM: saved in .*, exit code 144 to be requeued; after a "
-                     rf"scancel it is not: resume in a new job with --checkpoint {checkpoint}$", log, re.M), log
+    # The tasks cannot tell a scancel from a preemption: the line says "to be requeued", and nothing requeues it.
+    assert re.search(r"^stopped at epoch 2 step \d+ on SIGTERM .*: exit code 144, to be requeued$", log, re.M), log
     assert [state.split()[0] for state in accounted_runs(job_id)] == ["CANCELLED"], accounted_runs(job_id)
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
     assert (saved["epoch"], saved["step"]) == (1, step)
@@ -435,7 +436,8 @@ def test_submitit_on_slurm(submitit_runs, reference, layout):
     assert run["code"] == 0, run["out"] + run["log"]
     job_id = int(re.search(r"^submitted job (\d+); logs in \S+", run["out"], re.M).group(1))
     launches = check_job_log(run["log"], *LAYOUTS[layout], epochs=2, pair=run["pair"])
-    assert int(launches[0][8]) == 20000 + job_id % 12000  # the batch script's port search, not submitit's own
+    # submitit's own port, drawn from the job id (TorchDistributedEnvironment): no search of ours
+    assert int(launches[0][8]) == random.Random(str(job_id)).randint(20000, 60000)
     assert max_abs_diff(weights(run["checkpoint"]), weights(reference.epoch2)) <= TOLERANCE
     assert "sacct error" not in run["err"], run["err"]  # submitit's state polling worked: no guessing
 
@@ -483,7 +485,7 @@ def test_submitit_through_a_preemption_and_many_timeouts(slurm, submitit_runs, r
     print(f"06 through a preemption and {TIMEOUTS} time-outs: {time.monotonic() - start:.1f} s, stopped at "
           f"(epochs done, step) {stops}")
     assert stops == [(1, 10 + 5 * k) for k in range(1 + TIMEOUTS)] and resumes == stops, log
-    signals = re.findall(r"^stopped at epoch \d+ step \d+ on (SIG\w+): saved in", log, re.M)
+    signals = re.findall(r"^stopped at epoch \d+ step \d+ on (SIG\w+) [\d.]+ s after", log, re.M)
     assert signals == ["SIGTERM"] + ["SIGUSR2"] * TIMEOUTS, log
     assert log.count("epoch 1/2 |") == 1 and log.count("epoch 2/2 |") == 1, log
     assert "killed by signal" not in log and "Traceback" not in log, log  # no data-loader worker died of a signal

@@ -107,8 +107,8 @@ def test_05_a_hostname_on_loopback_ends_a_multi_node_job_with_one_line(tmp_path)
     assert code == 1, log
     errors = sorted(line for line in log.splitlines() if line.startswith("error:"))
     assert errors == [f"error: task {rank} on {node}: its hostname resolves to 127.0.1.1, which the other nodes cannot "
-                      "reach: export GLOO_SOCKET_IFNAME=<the nodes' network interface> (one name, as ib0 or eth0: ip "
-                      "-br addr lists them)" for rank, node in enumerate(SLURM_NODES)], log
+                      "reach: export GLOO_SOCKET_IFNAME=<the nodes' interface> (ip -br addr)"
+                      for rank, node in enumerate(SLURM_NODES)], log
     assert "rank 0/2" not in log, log  # before the process group
 
 
@@ -127,5 +127,6 @@ def test_05_a_checkpoint_folder_that_another_node_cannot_see_ends_the_job_with_o
     log = read(tmp_path / f"ddp-slurm-{job_id}.out")
     assert code == 1 and "epoch 1/1" not in log, log
     errors = [line for line in log.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: the checkpoint folder {folder} is not shared: {SLURM_NODES[1]} cannot see rank 0's files "
-                      "there; put it on storage that every node mounts (a requeue would start over)"], log
+    assert errors == [f"error: cannot resume from {folder}/ckpt.pt (rank 1 on {SLURM_NODES[1]}): rank 0's files in "
+                      f"{folder} are not here: put the checkpoint on storage that every node mounts (a requeue would "
+                      "start over)"], log

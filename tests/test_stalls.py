@@ -61,8 +61,8 @@ def test_the_third_run_in_a_row_without_progress_ends_the_job(monkeypatch, capsy
     assert "epoch 1/2 |" in runs[3][4] and "epoch 1/2 |" not in "".join(run[4] for run in runs[:3])
     stops = [line for line in runs[-2][4].splitlines() if line.startswith("stopped")]
     assert len(stops) == 1 and re.fullmatch(
-        r"stopped at epoch 2 step 0 on SIGUSR2: saved in [\d.]+ s, exit code 1, not requeued: 3 runs in a row made no "
-        r"step or evaluation before the time limit's signal \(a time limit below start-up \+ the signal's lead\)",
+        r"stopped at epoch 2 step 0 on SIGUSR2 [\d.]+ s after the signal was seen, saved in [\d.]+ s: exit code 1, not "
+        r"requeued: 3 runs in a row made no step before the time limit's signal \(raise the time limit\)",
         stops[0]), stops
 
 

@@ -11,18 +11,15 @@ from conftest import REPO, STEPS
 
 # The order every train.py follows (a step may lack some), and, for each top-level definition, the runs
 # of consecutive steps that must hold it byte for byte. A new step-specific change belongs in this table.
-ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "SET_BY_06", "check_submission_flags",
+ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "check_submission_flags",
          "load_datasets", "Net", "METRIC", "loss_and_metric", "make_optimizer", "get_lr",
-         "STOP_SIGNALS", "REQUEUE_EXIT_CODE", "STOP_CHECK_SECONDS", "MAX_STALLED_RUNS", "SIGNAL_LEAD_SECONDS",
-         "noted_stop_signals", "catch_stop_signals",
-         "stop_signal_received", "max_over_ranks", "StopCheck", "ResumableSampler", "start_progress",
-         "save_inside_epoch", "stop_run",
+         "STOP_SIGNALS", "REQUEUE_EXIT_CODE", "MAX_STALLED_RUNS", "noted_stop_signals", "catch_stop_signals",
+         "stop_signal_received", "StopVote", "ResumableSampler", "start_progress", "stop_run",
          "make_loaders", "train_step", "train_one_epoch", "evaluate", "save_checkpoint", "load_checkpoint",
          "exit_with_error", "setup", "train", "run", "make_executor", "main",
          # The site checks, set apart at the end of the file.
-         "check_same_checkpoint", "tasks_on_node", "gpus_on_node", "check_launch",
-         "host_address", "check_checkpoint_folder_shared", "check_gpus_not_shared", "check_sample_order",
-         "CHECK_STEPS", "CHECK_ALLREDUCES", "DDP_BUCKET_BYTES", "STOP_EXIT_SECONDS", "check_job", "time_job"]
+         "check_same_checkpoint", "gpus_on_node", "check_launch", "probe_path", "write_probe", "probe_missing",
+         "check_gpus_not_shared"]
 SHARED = {
     "METRIC": ["01 02 03 04 05 06"],
     "loss_and_metric": ["01 02 03 04 05 06"],
@@ -43,33 +40,22 @@ SHARED = {
     "make_loaders": ["01 02", "03 04", "05 06"],
     "STOP_SIGNALS": ["05 06"],
     "REQUEUE_EXIT_CODE": ["05 06"],
-    "STOP_CHECK_SECONDS": ["05 06"],
     "MAX_STALLED_RUNS": ["05 06"],
     "noted_stop_signals": ["05 06"],
     "catch_stop_signals": ["05 06"],
     "stop_signal_received": ["05 06"],
-    "max_over_ranks": ["05 06"],
+    "StopVote": ["05 06"],
     "ResumableSampler": ["05 06"],
     "start_progress": ["05 06"],
-    "StopCheck": ["05 06"],
-    "save_inside_epoch": ["05 06"],
     "stop_run": ["05 06"],
-    "tasks_on_node": ["05 06"],
     "gpus_on_node": ["05 06"],
     "check_launch": ["05 06"],
-    "host_address": ["05 06"],
-    "check_checkpoint_folder_shared": ["05 06"],
-    "CHECK_STEPS": ["05 06"],
-    "CHECK_ALLREDUCES": ["05 06"],
-    "DDP_BUCKET_BYTES": ["05 06"],
-    "STOP_EXIT_SECONDS": ["05 06"],
-    "SIGNAL_LEAD_SECONDS": ["05 06"],
-    "check_job": ["05 06"],
-    "time_job": ["05 06"],
+    "probe_path": ["05 06"],
+    "write_probe": ["05 06"],
+    "probe_missing": ["05 06"],
     "check_gpus_not_shared": ["05 06"],
-    "check_sample_order": ["05 06"],
 }
-ALLOWED_IMPORTS = {"argparse", "contextlib", "datetime", "importlib", "math", "multiprocessing", "os", "shlex",
+ALLOWED_IMPORTS = {"argparse", "contextlib", "datetime", "importlib", "math", "multiprocessing", "os",
                    "signal", "socket", "sys", "time", "torch", "torchvision", "submitit"}
 
 
@@ -170,7 +156,7 @@ PAGE_BLOCKS = {
                        "diff 02_dataparallel/run.sh 03_ddp_mpspawn/run.sh"],
     "04_ddp_torchrun": ["output 04", "diff 03_ddp_mpspawn/train.py 04_ddp_torchrun/train.py",
                         "diff 03_ddp_mpspawn/run.sh 04_ddp_torchrun/run.sh"],
-    "05_ddp_slurm": ["output 05", "output 05_check", "diff 04_ddp_torchrun/train.py 05_ddp_slurm/train.py"],
+    "05_ddp_slurm": ["output 05", "diff 04_ddp_torchrun/train.py 05_ddp_slurm/train.py"],
     "06_ddp_submitit": ["output 06", "diff 05_ddp_slurm/train.py 06_ddp_submitit/train.py"],
 }
 
