@@ -21,8 +21,12 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 
 def parse_args():
+    class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):  # and no "(default: None)"
+        def _get_help_string(self, action):
+            return action.help if action.default is None else super()._get_help_string(action)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # names the step
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpWithDefaults)
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="samples per micro-batch in each process")
@@ -83,8 +87,9 @@ def load_datasets(args):
         splits = [datasets.MNIST(args.data_dir, train=train, download=True)
                   for train in (True, False)]
     except (OSError, RuntimeError) as error:  # no internet, as on many compute nodes
-        sys.exit(f"error: MNIST is not in {args.data_dir} and could not be downloaded "
-                 f"({type(error).__name__}): fetch it on a machine with internet (01's page)")
+        reason = " ".join(str(error).split())  # torchvision's message spans lines
+        sys.exit(f"error: MNIST is not in {args.data_dir} and could not be downloaded ({reason}); "
+                 "fetch it on a machine with internet (01's page)")
     return [TensorDataset((split.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, split.targets)
             for split in splits]
 

@@ -27,8 +27,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def parse_args():
+    class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):  # and no "(default: None)"
+        def _get_help_string(self, action):
+            return action.help if action.default is None else super()._get_help_string(action)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # names the step
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpWithDefaults)
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="samples per micro-batch in each process")
@@ -98,8 +102,9 @@ def load_datasets(args):
         splits = [datasets.MNIST(args.data_dir, train=train, download=True)
                   for train in (True, False)]
     except (OSError, RuntimeError) as error:  # no internet, as on many compute nodes
-        sys.exit(f"error: MNIST is not in {args.data_dir} and could not be downloaded "
-                 f"({type(error).__name__}): fetch it on a machine with internet (01's page)")
+        reason = " ".join(str(error).split())  # torchvision's message spans lines
+        sys.exit(f"error: MNIST is not in {args.data_dir} and could not be downloaded ({reason}); "
+                 "fetch it on a machine with internet (01's page)")
     return [TensorDataset((split.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, split.targets)
             for split in splits]
 
@@ -162,8 +167,9 @@ def make_loaders(args, rank, world_size, device, gloo_group):
     # epoch), padded to the same number of steps.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     # DDP: and every world_size-th test sample, not padded, so that the sums over ranks are exact,
-    # in as many batches on every rank (a loss or a stop that takes a collective needs that).
-    test_batches = math.ceil(len(test_set) / world_size / args.test_batch_size)
+    # in as many batches on every rank (a collective in each, as 05's stop vote, needs that).
+    test_batches = min(math.ceil(len(test_set) / world_size / args.test_batch_size),
+                       len(test_set) // world_size)  # no empty batch
     test_shard = torch.arange(rank, len(test_set), world_size).tensor_split(test_batches)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda",
                        persistent_workers=args.workers > 0)
@@ -380,7 +386,7 @@ def check_same_checkpoint(path, resumed, load_error, group):
     dist.all_gather_object(every_rank, found_here, group=group)  # DDP: what every rank found
     for rank, (host, _, error) in enumerate(every_rank):
         if error:  # the first rank that could not use the file
-            exit_with_error(f"cannot resume from {path} (rank {rank} on {host}): {error}")
+            exit_with_error(f"cannot use the checkpoint {path} (rank {rank} on {host}): {error}")
     positions = [(found["epoch"], found.get("step", 0)) if found else "no file"
                  for _, found, _ in every_rank]  # (epochs done, step)
     # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.

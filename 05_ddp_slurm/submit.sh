@@ -19,8 +19,7 @@
 #SBATCH --output=%x-%j.out          # one log per job (stdout and stderr): job name and job id
 set -euo pipefail
 
-# Environment: activate yours here if the job does not inherit it (module load, source
-# .venv/bin/activate).
+# Environment: activate yours here if the job does not inherit it (module load, a venv).
 PYTHON=${PYTHON:-python}
 TRAIN_PY=${TRAIN_PY:-05_ddp_slurm/train.py}  # relative to the folder sbatch was called from
 
@@ -29,10 +28,8 @@ TRAIN_PY=${TRAIN_PY:-05_ddp_slurm/train.py}  # relative to the folder sbatch was
 # may have no Python. sed, not head: under pipefail, head's early exit could kill scontrol.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 port_taken() { (: </dev/tcp/127.0.0.1/"$1") 2>/dev/null; }
-if [[ -z ${MASTER_PORT:-} ]]; then  # export MASTER_PORT to choose one
-  MASTER_PORT=$((20000 + SLURM_JOB_ID % 12000))
-  while port_taken "$MASTER_PORT"; do MASTER_PORT=$((MASTER_PORT + 1)); done
-fi
+MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 12000))}  # export MASTER_PORT to choose
+while port_taken "$MASTER_PORT"; do MASTER_PORT=$((MASTER_PORT + 1)); done
 export MASTER_ADDR MASTER_PORT
 export REQUEUE_ON_144=1  # for train.py's stop line: this script requeues on 144
 # The task's cores: half for data-loader workers (or --workers N), the rest for its threads. Slurm

@@ -4,8 +4,8 @@ Run:  python 06_ddp_submitit/train.py --nodes 2 --gpus-per-node 4 --cpus-per-tas
       python 06_ddp_submitit/train.py --local --dataset synthetic   (no cluster needed)
 
 Changed since 05: no batch script of ours: this file submits itself through submitit, which
-writes one (05's requeue and port search), prints the job's log folder and waits for the job
-through its requeues; run() runs in every task. Python 3.10 or later.
+writes one (with 05's requeue), prints the job's log folder and waits for the job through its
+requeues; run() runs in every task. Python 3.10 or later.
 """
 import argparse
 import importlib
@@ -34,8 +34,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def parse_args():
+    class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):  # and no "(default: None)"
+        def _get_help_string(self, action):
+            return action.help if action.default is None else super()._get_help_string(action)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # names the step
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpWithDefaults)
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="samples per micro-batch in each process")
@@ -105,7 +109,8 @@ def add_submission_flags(parser):
                         help="time limit of the job in minutes")
     parser.add_argument("--sbatch", action="append", default=[], type=sbatch_option,
                         metavar="KEY[=VALUE]",
-                        help="an sbatch option, as partition=P, account=A, qos=high, exclusive")
+                        help="an sbatch option, as partition=P, account=A, qos=high, exclusive "
+                             "(not one that a flag above sets)")
     parser.add_argument("--log-dir", default="submitit_logs",
                         help="every job gets a new log folder in here")
 
@@ -158,8 +163,9 @@ def load_datasets(args):
         splits = [datasets.MNIST(args.data_dir, train=train, download=True)
                   for train in (True, False)]
     except (OSError, RuntimeError) as error:  # no internet, as on many compute nodes
-        sys.exit(f"error: MNIST is not in {args.data_dir} and could not be downloaded "
-                 f"({type(error).__name__}): fetch it on a machine with internet (01's page)")
+        reason = " ".join(str(error).split())  # torchvision's message spans lines
+        sys.exit(f"error: MNIST is not in {args.data_dir} and could not be downloaded ({reason}); "
+                 "fetch it on a machine with internet (01's page)")
     return [TensorDataset((split.data.unsqueeze(1) / 255 - 0.1307) / 0.3081, split.targets)
             for split in splits]
 
@@ -358,8 +364,9 @@ def make_loaders(args, rank, world_size, device, gloo_group):
     # train_one_epoch()), padded to the same number of steps.
     sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     # DDP: and every world_size-th test sample, not padded, so that the sums over ranks are exact,
-    # in as many batches on every rank (a loss or a stop that takes a collective needs that).
-    test_batches = math.ceil(len(test_set) / world_size / args.test_batch_size)
+    # in as many batches on every rank (a collective in each, as 05's stop vote, needs that).
+    test_batches = min(math.ceil(len(test_set) / world_size / args.test_batch_size),
+                       len(test_set) // world_size)  # no empty batch
     test_shard = torch.arange(rank, len(test_set), world_size).tensor_split(test_batches)
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda",
                        persistent_workers=args.workers > 0)
@@ -522,8 +529,8 @@ def setup(rank, local_rank, world_size, timeout):
 def train(args, rank, world_size, device, gloo_group):
     """Returns the exit code: 0, or SLURM: a stop's, from stop_run()."""
     is_main = rank == 0  # DDP: only global rank 0 prints and saves
-    if args.checkpoint and is_main:  # SLURM: a site check (the end of this file)
-        write_probe(args.checkpoint)
+    # SLURM: a site check (the end of this file), read by every rank once the data barrier passed
+    write_error = write_probe(args.checkpoint) if args.checkpoint and is_main else None
     train_loader, test_loader = make_loaders(args, rank, world_size, device, gloo_group)
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
@@ -532,10 +539,9 @@ def train(args, rank, world_size, device, gloo_group):
     # What a checkpoint holds and a resume restores, by name: add yours (01's page: an EMA).
     checkpointed = {"model": model, "optimizer": optimizer}
     resumed, load_error = load_checkpoint(args.checkpoint, checkpointed)
-    load_error = load_error or probe_missing(args.checkpoint)  # SLURM: once rank 0 wrote it
+    if args.checkpoint:  # SLURM
+        load_error = load_error or write_error or probe_error(args.checkpoint)
     check_same_checkpoint(args.checkpoint, resumed, load_error, gloo_group)  # DDP: a site check
-    if args.checkpoint and is_main:
-        os.remove(probe_path(args.checkpoint))  # SLURM
     progress = start_progress(args, resumed, len(train_loader.dataset))  # SLURM
     # SLURM: the stop vote's group fails after --collective-timeout too, not after an hour.
     vote_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.collective_timeout))
@@ -589,7 +595,7 @@ def run(args):
     catch_stop_signals()
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
                                                                 overwrite=True)
-    # MASTER_PORT: the batch script's (make_executor()); --local: submitit's.
+    # MASTER_PORT: submitit's, drawn from the job id.
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
     if args.workers is None:  # submitit: half of the task's cores; the other half for the threads
         args.workers = (args.cpus_per_task or int(os.environ.get("SRUN_CPUS_PER_TASK", 1))) // 2
@@ -683,7 +689,7 @@ def check_same_checkpoint(path, resumed, load_error, group):
     dist.all_gather_object(every_rank, found_here, group=group)  # DDP: what every rank found
     for rank, (host, _, error) in enumerate(every_rank):
         if error:  # the first rank that could not use the file
-            exit_with_error(f"cannot resume from {path} (rank {rank} on {host}): {error}")
+            exit_with_error(f"cannot use the checkpoint {path} (rank {rank} on {host}): {error}")
     positions = [(found["epoch"], found.get("step", 0)) if found else "no file"
                  for _, found, _ in every_rank]  # (epochs done, step)
     # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.
@@ -721,37 +727,49 @@ def check_launch(rank):
     if (gpus or visible) and not (tasks == gpus and visible in (1, gpus)):
         sys.exit(f"{error_prefix}: {tasks} tasks, {gpus} GPUs, and CUDA sees {visible}: run one "
                  "task per working GPU (--ntasks-per-node as --gpus-per-node; nvidia-smi)")
+    if int(os.environ.get("SLURM_NNODES", 1)) == 1 or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
     # On several nodes, Gloo binds the address that the hostname resolves to: on a loopback one
     # (Debian's /etc/hosts: 127.0.1.1) the others retry until the timeout (an hour on NCCL runs).
-    address = socket.gethostbyname(socket.gethostname())
-    multi_node = int(os.environ.get("SLURM_NNODES", 1)) > 1
-    if multi_node and address.startswith("127.") and not os.environ.get("GLOO_SOCKET_IFNAME"):
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        address = "no address"
+    if not address[:1].isdigit() or address.startswith("127."):
         sys.exit(f"{error_prefix}: its hostname resolves to {address}, which the other nodes "
                  "cannot reach: export GLOO_SOCKET_IFNAME=<the nodes' interface> (ip -br addr)")
 
 
-def probe_path(checkpoint):
-    """SLURM: a file beside the checkpoint that rank 0 writes and every rank must see: a folder on
-    node-local storage ($TMPDIR, /tmp) exists on every node, but a requeue whose rank 0 runs on
-    another node would find no checkpoint there, and start over at every requeue."""
-    job = f"{os.environ.get('SLURM_JOB_ID')}-{os.environ.get('SLURM_RESTART_COUNT', 0)}"
-    return f"{checkpoint}.{job}.probe"
+def run_id():
+    """SLURM: the same on every rank of this run, and another in the next."""
+    slurm_run = f"{os.environ.get('SLURM_JOB_ID')}-{os.environ.get('SLURM_RESTART_COUNT', 0)}"
+    return f"{slurm_run} {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
 
 
 def write_probe(checkpoint):
+    """SLURM: rank 0 writes run_id() beside the checkpoint, and every rank must read it back
+    (probe_error()): a folder on node-local storage ($TMPDIR, /tmp) is on every node, but a
+    requeue whose rank 0 runs on another node would find no checkpoint, and start over, every
+    time. Returns why it cannot write there, or None."""
     try:
-        open(probe_path(checkpoint), "w").close()
-    except OSError as error:  # a read-only mount, a full disk: one line at the start
-        exit_with_error(f"cannot write beside the checkpoint {checkpoint}: {error}")
-
-
-def probe_missing(checkpoint):
-    """SLURM: why this rank cannot use the checkpoint's folder, or None."""
-    if checkpoint and not os.path.exists(probe_path(checkpoint)):
-        return (f"rank 0's files in {os.path.dirname(os.path.abspath(checkpoint))} are not "
-                "here: put the checkpoint on storage that every node mounts (a requeue would "
-                "start over)")
+        os.makedirs(os.path.dirname(os.path.abspath(checkpoint)), exist_ok=True)  # as a save
+        with open(f"{checkpoint}.probe", "w") as probe:
+            probe.write(run_id())
+    except OSError as error:  # a read-only mount, a full disk, a file in the path
+        return f"cannot write beside it: {error}"
     return None
+
+
+def probe_error(checkpoint):
+    """SLURM: why this rank cannot read rank 0's probe, or None."""
+    try:
+        with open(f"{checkpoint}.probe") as probe:
+            if probe.read() == run_id():
+                return None
+    except OSError:  # no file: another folder than rank 0's
+        pass
+    return (f"rank 0's files in {os.path.dirname(os.path.abspath(checkpoint))} are not here: "
+            "put it on storage that every node mounts (a requeue would start over)")
 
 
 def check_gpus_not_shared(device, group):

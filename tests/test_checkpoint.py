@@ -10,7 +10,8 @@ import weakref
 import pytest
 import torch
 
-from conftest import SYNTHETIC, child_env, load_step_module, run, train_in_process
+from conftest import (REPO, SYNTHETIC, Task, child_env, free_port, load_step_module, run, run_slurm_tasks, slurm_task_env,
+                      train_in_process)
 
 
 @pytest.mark.parametrize("step", ["01_single_gpu", "05_ddp_slurm"])  # the two versions of save_checkpoint
@@ -199,7 +200,7 @@ def test_a_checkpoint_that_cannot_be_read_ends_with_one_line(monkeypatch, tmp_pa
                 module.check_same_checkpoint(str(path), *[rank0, rank1][rank], None)
             printed = capsys.readouterr().err
             assert exited.value.code == 1 and printed == ("" if rank else (
-                f"error: cannot resume from {path} (rank {named} on node{named}): {error}\n")), (rank, printed)
+                f"error: cannot use the checkpoint {path} (rank {named} on node{named}): {error}\n")), (rank, printed)
 
 
 def test_05_resumed_from_a_file_it_cannot_read_ends_with_one_line(tmp_path, capsys):
@@ -210,7 +211,7 @@ def test_05_resumed_from_a_file_it_cannot_read_ends_with_one_line(tmp_path, caps
     code, output = train_in_process("05_ddp_slurm", ["--dataset", "synthetic", "--checkpoint", str(path)], capsys)
     errors = [line for line in output.splitlines() if "error" in line.lower()]
     assert code == 1 and len(errors) == 1 and errors[0].startswith(
-        f"error: cannot resume from {path} (rank 0 on {socket.gethostname()}): "), (
+        f"error: cannot use the checkpoint {path} (rank 0 on {socket.gethostname()}): "), (
         output)
     assert "Traceback" not in output and "epoch 1" not in output, output
 
@@ -228,11 +229,34 @@ def test_a_nan_loss_sum_in_the_checkpoint_is_the_same_checkpoint(monkeypatch):
     module.check_same_checkpoint("ckpt.pt", pickle.loads(pickle.dumps(rank0)), None, None)  # no exit
 
 
-def test_a_checkpoint_folder_that_rank_0_cannot_write_ends_with_one_line(tmp_path, capsys):
-    """05 (and 06): rank 0 writes a file beside the checkpoint, which every rank must see; a folder it cannot write
-    (a read-only mount, a full disk, a file in the path) ends the run with rank 0's one line, before anything else."""
+def test_a_checkpoint_folder_that_rank_0_cannot_write_ends_with_one_line(tmp_path):
+    """05 (and 06): rank 0 writes a file beside the checkpoint, which every rank must read back; a folder it cannot
+    write (a read-only mount, a full disk, a file in the path) ends both ranks with rank 0's one line, before
+    anything else: rank 0 does not leave the other waiting in a collective alone (Gloo's tracebacks there)."""
     (tmp_path / "afile").write_text("")
-    code, output = train_in_process("05_ddp_slurm", [*SYNTHETIC, "--checkpoint", str(tmp_path / "afile" / "c.pt")],
-                                    capsys)
-    assert code == 1 and re.fullmatch(rf"error: cannot write beside the checkpoint {tmp_path}/afile/c.pt: "
-                                      r"\[Errno 20\] Not a directory: .*\n", output), output
+    result = run_slurm_tasks([*SYNTHETIC, "--checkpoint", str(tmp_path / "afile" / "c.pt")], world_size=2,
+                             timeout=60)
+    errors = [line for line in (result.output + result.stderr).splitlines() if "error" in line.lower()]
+    assert result.returncode == 1 and errors == [
+        f"error: cannot use the checkpoint {tmp_path}/afile/c.pt (rank 0 on {socket.gethostname()}): cannot write "
+        f"beside it: [Errno 17] File exists: '{tmp_path}/afile'"], result
+    assert "Traceback" not in result.stderr and "epoch 1" not in result.output, result
+
+
+def test_a_checkpoint_folder_that_another_rank_cannot_see_ends_with_one_line(tmp_path):
+    """05 (and 06): each rank in a folder of its own with the same relative --checkpoint, as on node-local storage
+    ($TMPDIR, /tmp) that every node has: rank 1 cannot read rank 0's probe, and the run ends with one line before
+    training, where every requeue would have started over (test_slurm_site.py: the same on the Slurm cluster)."""
+    folders = [tmp_path / f"node{rank}" for rank in range(2)]
+    for folder in folders:
+        folder.mkdir()
+    port = free_port()
+    procs = [Task([REPO / "05_ddp_slurm/train.py", *SYNTHETIC, "--checkpoint", "ckpt.pt"],
+                  slurm_task_env(rank, 2, port), folders[rank]) for rank in range(2)]
+    outs = [proc.communicate(timeout=60) for proc in procs]
+    output = "".join(out + err for out, err in outs)
+    errors = [line for line in output.splitlines() if line.startswith("error")]
+    assert [proc.returncode for proc in procs] == [1, 1] and errors == [
+        f"error: cannot use the checkpoint ckpt.pt (rank 1 on {socket.gethostname()}): rank 0's files in "
+        f"{folders[1]} are not here: put it on storage that every node mounts (a requeue would start over)"], output
+    assert "Traceback" not in output and not list(folders[1].iterdir()), output

@@ -98,3 +98,18 @@ def test_offline_download_fails_once_with_one_line(tmp_path, step):
     # One process tries each mirror for the first file, then gives up: the same count for 01 and for 03.
     assert len(train_images) == 2, proxy.requests
     assert re.search(r"ossci-datasets|lecun", " ".join(proxy.requests))
+
+
+@pytest.mark.parametrize("test_batch_size", [1000, 133, 1])
+def test_every_rank_evaluates_as_many_batches_and_every_sample_once(monkeypatch, test_batch_size):
+    """03-06 split the test set into every world_size-th sample on each rank, in as many batches on every rank (05's
+    stop vote, or a loss with a collective, runs once a batch), none empty: 800 samples on 3 ranks at 133 a batch
+    were 3 batches on two ranks and 2 on the third. At 1 a batch, 267 samples go in 266 batches: one holds 2."""
+    module = load_step_module("03_ddp_mpspawn")
+    monkeypatch.setattr(module.dist, "barrier", lambda group=None: None)
+    args = Namespace(dataset="synthetic", test_batch_size=test_batch_size, batch_size=64, seed=0, workers=0)
+    shards = [list(module.make_loaders(args, rank, 3, torch.device("cpu"), None)[1].batch_sampler)
+              for rank in range(3)]
+    assert len({len(batches) for batches in shards}) == 1, [len(batches) for batches in shards]
+    assert all(0 < len(batch) <= test_batch_size + 1 for batches in shards for batch in batches)
+    assert sorted(index for batches in shards for batch in batches for index in batch) == list(range(800))

@@ -149,7 +149,7 @@ def test_tasks_that_share_a_gpu_end_with_one_line(monkeypatch, capsys, step, gpu
             f"error: tasks {shared} share a GPU: give each task its own\n")), rank
 
 
-def test_06_writes_the_account_no_wckey_and_the_container_into_its_job(tmp_path):
+def test_06_writes_the_account_no_wckey_the_signal_and_the_requeue_into_its_job(tmp_path):
     """The batch script that submitit writes for 06 (an sbatch that keeps it and refuses to submit): the sbatch
     options a site requires (--sbatch, repeated: an account, a QOS, memory per GPU, --exclusive), no wckey unless
     asked for (submitit's own, "submitit", is rejected where wckeys are enforced), the stop signal and the requeue.
@@ -374,8 +374,8 @@ def test_06_a_run_cut_short_without_a_checkpoint_exits_1(monkeypatch, capsys):
         code, output)
 
 
-@pytest.mark.parametrize("restart_count, said", [("0", ""), ("1", "")])
-def test_05_says_where_it_starts_when_it_finds_no_checkpoint(monkeypatch, capsys, tmp_path, restart_count, said):
+@pytest.mark.parametrize("restart_count", ["0", "1"])
+def test_05_says_where_it_starts_when_it_finds_no_checkpoint(monkeypatch, capsys, tmp_path, restart_count):
     """A job that should resume and finds no file (a mistyped --checkpoint in a resubmission; a relative one under
     salloc + torchrun, taken from another folder) says so with the absolute path it looked at, where it trained
     from epoch 1 without a line; in a requeued job too."""
@@ -386,7 +386,7 @@ def test_05_says_where_it_starts_when_it_finds_no_checkpoint(monkeypatch, capsys
     code, output = train_in_process("05_ddp_slurm", ["--dataset", "synthetic", "--checkpoint", "ckpt-typo.pt"],
                                     capsys)
     assert code == 144 and output.splitlines()[0] == (
-        f"{said}no checkpoint at {tmp_path}/ckpt-typo.pt: starting at epoch 1"), output
+        f"no checkpoint at {tmp_path}/ckpt-typo.pt: starting at epoch 1"), output
 
 
 def test_05_under_torchrun_in_a_slurm_job_refuses_a_missing_checkpoint_folder(monkeypatch, tmp_path):

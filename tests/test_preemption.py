@@ -430,3 +430,19 @@ def test_05_stop_line_says_whether_anything_requeues(monkeypatch, capsys, tmp_pa
     assert code == REQUEUE_CODE and len(stops) == 1 and re.fullmatch(
         r"stopped at epoch 1 step 0 on SIGUSR2 [\d.]+ s after the signal was seen, saved in [\d.]+ s: exit code 144, "
         + re.escape(outcome), stops[0]), output
+
+
+def test_05_a_save_that_one_rank_finds_due_is_made_by_all(cluster_env, reference, tmp_path):
+    """--save-every is a term of the ranks' vote: only rank 1's clock runs (4 s a step, TEST_STEP_CLOCK), rank 0's is
+    the real one (a run of seconds: never due), and both save at rank 1's steps 15, 30 and 45 of --save-every 1
+    (the clock starts again at each save); a vote on rank 0's clock alone would save nothing. The saves change
+    nothing of the training: the run ends with the uninterrupted run's weights."""
+    checkpoint = tmp_path / "ckpt.pt"
+    clock_on_rank_1 = lambda **kw: cluster_env(**kw, TEST_STEP_CLOCK=STEP_CLOCK if kw["SLURM_PROCID"] == "1" else "")  # noqa: E731
+    procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "1", "--save-every", "1", "--checkpoint",
+                      str(checkpoint)], clock_on_rank_1)
+    codes, output = finish_all(procs, timeout=60)
+    assert codes == [0, 0], output
+    saves = re.findall(r"^saved at epoch (\d+) step (\d+) \(--save-every 1\)$", output, re.M)
+    assert saves == [("1", "15"), ("1", "30"), ("1", "45")], output
+    assert max_abs_diff(weights(checkpoint), weights(reference.epoch1)) <= TOLERANCE

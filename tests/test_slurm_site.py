@@ -127,6 +127,6 @@ def test_05_a_checkpoint_folder_that_another_node_cannot_see_ends_the_job_with_o
     log = read(tmp_path / f"ddp-slurm-{job_id}.out")
     assert code == 1 and "epoch 1/1" not in log, log
     errors = [line for line in log.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: cannot resume from {folder}/ckpt.pt (rank 1 on {SLURM_NODES[1]}): rank 0's files in "
-                      f"{folder} are not here: put the checkpoint on storage that every node mounts (a requeue would "
+    assert errors == [f"error: cannot use the checkpoint {folder}/ckpt.pt (rank 1 on {SLURM_NODES[1]}): rank 0's "
+                      f"files in {folder} are not here: put it on storage that every node mounts (a requeue would "
                       "start over)"], log

@@ -18,7 +18,7 @@ ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "check_submissio
          "make_loaders", "train_step", "train_one_epoch", "evaluate", "save_checkpoint", "load_checkpoint",
          "exit_with_error", "setup", "train", "run", "make_executor", "main",
          # The site checks, set apart at the end of the file.
-         "check_same_checkpoint", "gpus_on_node", "check_launch", "probe_path", "write_probe", "probe_missing",
+         "check_same_checkpoint", "gpus_on_node", "check_launch", "run_id", "write_probe", "probe_error",
          "check_gpus_not_shared"]
 SHARED = {
     "METRIC": ["01 02 03 04 05 06"],
@@ -50,9 +50,9 @@ SHARED = {
     "stop_run": ["05 06"],
     "gpus_on_node": ["05 06"],
     "check_launch": ["05 06"],
-    "probe_path": ["05 06"],
+    "run_id": ["05 06"],
     "write_probe": ["05 06"],
-    "probe_missing": ["05 06"],
+    "probe_error": ["05 06"],
     "check_gpus_not_shared": ["05 06"],
 }
 ALLOWED_IMPORTS = {"argparse", "contextlib", "datetime", "importlib", "math", "multiprocessing", "os",
