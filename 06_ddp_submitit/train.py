@@ -542,6 +542,8 @@ def train(args, rank, world_size, device, gloo_group):
     if args.checkpoint:  # SLURM
         load_error = load_error or write_error or probe_error(args.checkpoint)
     check_same_checkpoint(args.checkpoint, resumed, load_error, gloo_group)  # DDP: a site check
+    if args.checkpoint and is_main:
+        os.remove(f"{args.checkpoint}.probe")  # SLURM: every rank has read it
     progress = start_progress(args, resumed, len(train_loader.dataset))  # SLURM
     # SLURM: the stop vote's group fails after --collective-timeout too, not after an hour.
     vote_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.collective_timeout))

@@ -269,7 +269,7 @@ def test_05_a_rank_that_sees_another_checkpoint_stops_the_run_with_one_line(clus
     (folders[0] / "ckpt.pt").write_bytes(ladder("05_ddp_slurm").final.read_bytes())  # after epoch 2
     (folders[2] / "ckpt.pt").write_bytes(ladder("05_ddp_slurm").epoch1.read_bytes())
     for folder in folders[1:]:  # rank 0's probe file (05's site check), as a lagging shared folder shows it
-        (folder / "ckpt.pt.4242-0.probe").symlink_to(folders[0] / "ckpt.pt.4242-0.probe")
+        (folder / "ckpt.pt.probe").symlink_to(folders[0] / "ckpt.pt.probe")
     procs = start_05([*TRAIN_05, "--workers", "0", "--epochs", "3", "--checkpoint", "ckpt.pt"], cluster_env,
                      world_size=3, cwds=folders)
     codes, output = finish_all(procs, timeout=60)
