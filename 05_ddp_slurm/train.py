@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from datetime import timedelta
 
 # SLURM: a stop signal that comes during the imports below (seconds; more from a cold shared
@@ -494,7 +494,8 @@ def train(args, rank, world_size, device, gloo_group):
         load_error = load_error or write_error or probe_error(args.checkpoint)
     check_same_checkpoint(args.checkpoint, resumed, load_error, gloo_group)  # DDP: a site check
     if args.checkpoint and is_main:
-        os.remove(f"{args.checkpoint}.probe")  # SLURM: every rank has read it
+        with suppress(FileNotFoundError):  # SLURM: every rank read it (or another run removed it)
+            os.remove(f"{args.checkpoint}.probe")
     progress = start_progress(args, resumed, len(train_loader.dataset))  # SLURM
     # SLURM: the stop vote's group fails after --collective-timeout too, not after an hour.
     vote_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.collective_timeout))
@@ -630,7 +631,7 @@ def check_launch(rank):
 def run_id():
     """SLURM: the same on every rank of this run, and another in the next."""
     slurm_run = f"{os.environ.get('SLURM_JOB_ID')}-{os.environ.get('SLURM_RESTART_COUNT', 0)}"
-    return f"{slurm_run} {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return f"{slurm_run} port {os.environ.get('MASTER_PORT')}"
 
 
 def write_probe(checkpoint):
@@ -653,7 +654,7 @@ def probe_error(checkpoint):
         with open(f"{checkpoint}.probe") as probe:
             if probe.read() == run_id():
                 return None
-    except OSError:  # no file: another folder than rank 0's
+    except (OSError, ValueError):  # no file (another folder than rank 0's), or not text
         pass
     return (f"rank 0's files in {os.path.dirname(os.path.abspath(checkpoint))} are not here: "
             "put it on storage that every node mounts (a requeue would start over)")

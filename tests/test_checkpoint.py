@@ -232,7 +232,7 @@ def test_a_nan_loss_sum_in_the_checkpoint_is_the_same_checkpoint(monkeypatch):
 def test_a_checkpoint_folder_that_rank_0_cannot_write_ends_with_one_line(tmp_path):
     """05 (and 06): rank 0 writes a file beside the checkpoint, which every rank must read back; a folder it cannot
     write (a read-only mount, a full disk, a file in the path) ends both ranks with rank 0's one line, before
-    anything else: rank 0 does not leave the other waiting in a collective alone (Gloo's tracebacks there)."""
+    training: rank 0 does not leave the other waiting in a collective alone (Gloo's tracebacks there)."""
     (tmp_path / "afile").write_text("")
     result = run_slurm_tasks([*SYNTHETIC, "--checkpoint", str(tmp_path / "afile" / "c.pt")], world_size=2,
                              timeout=60)
@@ -245,11 +245,13 @@ def test_a_checkpoint_folder_that_rank_0_cannot_write_ends_with_one_line(tmp_pat
 
 def test_a_checkpoint_folder_that_another_rank_cannot_see_ends_with_one_line(tmp_path):
     """05 (and 06): each rank in a folder of its own with the same relative --checkpoint, as on node-local storage
-    ($TMPDIR, /tmp) that every node has: rank 1 cannot read rank 0's probe, and the run ends with one line before
-    training, where every requeue would have started over (test_slurm_site.py: the same on the Slurm cluster)."""
+    ($TMPDIR, /tmp) that every node has, which holds an earlier run's probe: rank 1 cannot read rank 0's, and the
+    run ends with one line before training, where every requeue would have started over (test_slurm_site.py: the
+    same on the Slurm cluster)."""
     folders = [tmp_path / f"node{rank}" for rank in range(2)]
     for folder in folders:
         folder.mkdir()
+    (folders[1] / "ckpt.pt.probe").write_text("4241-0 port 1")  # an earlier run's probe on that node
     port = free_port()
     procs = [Task([REPO / "05_ddp_slurm/train.py", *SYNTHETIC, "--checkpoint", "ckpt.pt"],
                   slurm_task_env(rank, 2, port), folders[rank]) for rank in range(2)]
@@ -259,4 +261,4 @@ def test_a_checkpoint_folder_that_another_rank_cannot_see_ends_with_one_line(tmp
     assert [proc.returncode for proc in procs] == [1, 1] and errors == [
         f"error: cannot use the checkpoint ckpt.pt (rank 1 on {socket.gethostname()}): rank 0's files in "
         f"{folders[1]} are not here: put it on storage that every node mounts (a requeue would start over)"], output
-    assert "Traceback" not in output and not list(folders[1].iterdir()), output
+    assert "Traceback" not in output and not list(folders[1].glob("*.pt")), output
