@@ -192,9 +192,9 @@ def test_checkpoints_move_between_the_gpu_and_the_cpu(gpu_env, stopped_on_the_gp
     written on the CPU resumes on the GPU in 05: both end within GPU_TOLERANCE of the uninterrupted GPU run."""
     on_cpu = tmp_path / "on_cpu.pt"
     on_cpu.write_bytes(stopped_on_the_gpu["SIGTERM"]["mid_epoch"].read_bytes())
-    # A CPU job on a GPU node: CUDA and check_launch()'s device files told so (05's page), else it is refused.
+    # A CPU job on a GPU node says so with CUDA_VISIBLE_DEVICES= (05's check_launch counts no GPU then).
     resumed = run_slurm_tasks([*TRAIN_05, "--checkpoint", str(on_cpu)], world_size=1, timeout=300,
-                              CUDA_VISIBLE_DEVICES="", GPU_DEVICES="")
+                              CUDA_VISIBLE_DEVICES="")
     assert resumed.returncode == 0 and "device cpu backend gloo" in resumed.output, resumed
     assert "at epoch 2 step " in resumed.output, resumed
     from_cpu = tmp_path / "from_cpu.pt"
