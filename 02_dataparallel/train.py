@@ -21,12 +21,8 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 
 def parse_args():
-    class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):  # and no "(default: None)"
-        def _get_help_string(self, action):
-            return action.help if action.default is None else super()._get_help_string(action)
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # names the step
-                                     formatter_class=HelpWithDefaults)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="samples per micro-batch in each process")
@@ -58,22 +54,18 @@ def parse_args():
                         help="scale the gradient down to this norm before each step (0: never)")
     args = parser.parse_args()
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1, workers=0,
-                    log_interval=0, clip_grad=0)
+                    log_interval=0, clip_grad=0, lr=0)
     for flag, minimum in minimums.items():
         if getattr(args, flag) < minimum:
             parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}")
-    if not args.lr > 0:
-        parser.error("--lr must be above 0")
     if not 0 <= args.warmup < 1:
         parser.error("--warmup must be at least 0 and below 1")
     return args
 
 
-# Your task replaces these, down to get_lr: the data, the model, the loss and metric, the optimizer
-# and its schedule.
+# Your task replaces these, down to get_lr: data, model, loss and metric, optimizer, schedule.
 def load_datasets(args):
-    """Returns (train, test): datasets that take one index and return one (image, label), as
-    torchvision's do; yours may read each sample from disk. Images normalised, not in 0..1."""
+    """Returns (train, test): datasets of (image, label) by index, as torchvision's (01's page)."""
     if args.dataset == "synthetic":
         # Each class is a fixed random pattern under noise, the same on every machine.
         generator = torch.Generator().manual_seed(1234)
@@ -95,9 +87,7 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN without dropout or BatchNorm (01's page says why). SiLU and average pooling, not
-    ReLU and max pooling: smooth, so that the rounding differences between steps (DDP adds in
-    another order) stay near 1e-6."""
+    """A small CNN, smooth (SiLU, average pooling), without dropout or BatchNorm: 01's page."""
 
     def __init__(self):
         super().__init__()
@@ -116,22 +106,19 @@ METRIC = "accuracy"  # the epoch line's name for metric sum / count
 
 
 def loss_and_metric(output, target):
-    """Returns (loss sum, metric sum, count) of a batch. Sums over what the loss is a mean of
-    (samples here; tokens, say, for a sequence model) add up exactly over batches and ranks.
-    Training minimises loss sum / count."""
+    """Returns (loss sum, metric sum, count) of a batch: sums over what the loss is a mean of
+    (samples; tokens for a sequence model) add up exactly over batches and ranks."""
     loss = F.cross_entropy(output, target, reduction="sum")
     return loss, (output.argmax(dim=1) == target).sum(), len(target)
 
 
 def make_optimizer(model, args):
-    # Parameter groups with rates of their own, and AdamW, work too: get_lr scales each group's.
-    # A resume keeps the checkpoint's other settings (momentum, weight decay): load_state_dict.
+    # AdamW and parameter groups with rates of their own work too: get_lr scales each group's.
     return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
 def get_lr(step, total_steps, peak_lr, args):
-    """The learning rate of optimizer step `step` (from 0) of the run's `total_steps`, for a
-    parameter group whose rate in make_optimizer is peak_lr."""
+    """The rate at optimizer step `step` (from 0) of a group with peak_lr in make_optimizer."""
     warmup_steps = args.warmup * total_steps  # 0 without --warmup
     if step < warmup_steps:  # rises linearly
         return peak_lr * ((step + 1) / (warmup_steps + 1))
@@ -144,8 +131,7 @@ def get_lr(step, total_steps, peak_lr, args):
 def make_loaders(args, device):
     # Returns (train loader, test loader) of --dataset.
     train_set, test_set = load_datasets(args)
-    # The order depends only on --seed and the epoch (train() seeds the generator each epoch), so
-    # that a resumed run sees the same batches.
+    # The order depends only on --seed and the epoch (train() seeds it): a resume sees the same.
     sampler = RandomSampler(train_set, generator=torch.Generator())
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda",
                        persistent_workers=args.workers > 0)
@@ -155,8 +141,7 @@ def make_loaders(args, device):
 
 
 def train_step(args, model, batches, micro_batches, optimizer, device, sums):
-    """One optimizer step over the next micro_batches batches; adds their [loss sum, count,
-    samples] to sums."""
+    """One optimizer step over the next micro_batches batches; adds to sums what they trained."""
     for micro_batch in range(micro_batches):
         inputs, targets = (tensor.to(device, non_blocking=True) for tensor in next(batches))
         # bf16 where autocast finds it safe (--amp)
@@ -174,8 +159,7 @@ def train_step(args, model, batches, micro_batches, optimizer, device, sums):
 
 
 def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
-    """One pass over loader; returns (mean training loss, samples). Prints progress every
-    --log-interval optimizer steps."""
+    """One pass over loader; returns (mean training loss, samples)."""
     model.train()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
     logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
@@ -183,11 +167,7 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
     steps_per_epoch = math.ceil(len(loader) / args.accumulate)  # optimizer steps
     for step in range(steps_per_epoch):
         # Dropout and other draws as if the run was never stopped: seeded by the step (01's page).
-        # Not torch.manual_seed, which seeds every kind of device: 0.1 ms a call.
-        seed = hash((args.seed, epoch, step))
-        torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":
-            torch.cuda.manual_seed_all(seed)  # every GPU's generator (02's replicas use them all)
+        torch.manual_seed(hash((args.seed, epoch, step)))
         for group, peak_lr in zip(optimizer.param_groups, peak_lrs):
             group["lr"] = get_lr(epoch * steps_per_epoch + step, args.epochs * steps_per_epoch,
                                  peak_lr, args)
@@ -219,8 +199,7 @@ def evaluate(model, loader, device, seed):
 
 
 def save_checkpoint(path, checkpointed, progress):
-    """Saves each object's state_dict() by name, and the progress (plain data). A crash while
-    writing leaves the previous file whole."""
+    """Saves each object's state_dict() by name, and the progress; a crash leaves the old file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
         torch.save({name: obj.state_dict() for name, obj in checkpointed.items()} | progress, f)
@@ -231,8 +210,7 @@ def save_checkpoint(path, checkpointed, progress):
 
 def load_checkpoint(path, checkpointed):
     """Restores each object of checkpointed from path; returns the progress saved with them
-    ({"epoch": ...}), or None where path does not exist. The file is mapped, not read: a tensor is
-    copied at most once, onto this process's device (on a CPU, the optimizer keeps some mapped)."""
+    ({"epoch": ...}), or None where path does not exist. Mapped, not read: one copy of a tensor."""
     if not os.path.exists(path):
         return None
     try:
@@ -259,7 +237,7 @@ def train(args, device):
     start_epoch = progress["epoch"] if progress else 0
     if progress and progress.get("step"):  # saved inside an epoch by 05 or 06
         sys.exit(f"error: {args.checkpoint} stopped inside epoch {start_epoch + 1}; resume it "
-                 "with the step that wrote it (05 or 06), or from an end-of-epoch checkpoint")
+                 "with 05 or 06, or from an end-of-epoch checkpoint")
     if progress:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
 

@@ -27,12 +27,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def parse_args():
-    class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):  # and no "(default: None)"
-        def _get_help_string(self, action):
-            return action.help if action.default is None else super()._get_help_string(action)
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # names the step
-                                     formatter_class=HelpWithDefaults)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="samples per micro-batch in each process")
@@ -69,26 +65,20 @@ def parse_args():
                         help="processes to start: one per GPU, or 2 on a CPU")
     args = parser.parse_args()
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1, workers=0,
-                    log_interval=0, clip_grad=0)
+                    log_interval=0, clip_grad=0, lr=0, collective_timeout=1)
     for flag, minimum in minimums.items():
         if getattr(args, flag) < minimum:
             parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}")
-    if not args.lr > 0:
-        parser.error("--lr must be above 0")
     if not 0 <= args.warmup < 1:
         parser.error("--warmup must be at least 0 and below 1")
-    if not args.collective_timeout > 0:
-        parser.error("--collective-timeout must be above 0 seconds")
     if not 1 <= args.world_size <= (torch.cuda.device_count() or args.world_size):
         parser.error("--world-size must be at least 1 and at most the GPUs")
     return args
 
 
-# Your task replaces these, down to get_lr: the data, the model, the loss and metric, the optimizer
-# and its schedule.
+# Your task replaces these, down to get_lr: data, model, loss and metric, optimizer, schedule.
 def load_datasets(args):
-    """Returns (train, test): datasets that take one index and return one (image, label), as
-    torchvision's do; yours may read each sample from disk. Images normalised, not in 0..1."""
+    """Returns (train, test): datasets of (image, label) by index, as torchvision's (01's page)."""
     if args.dataset == "synthetic":
         # Each class is a fixed random pattern under noise, the same on every machine.
         generator = torch.Generator().manual_seed(1234)
@@ -110,9 +100,7 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN without dropout or BatchNorm (01's page says why). SiLU and average pooling, not
-    ReLU and max pooling: smooth, so that the rounding differences between steps (DDP adds in
-    another order) stay near 1e-6."""
+    """A small CNN, smooth (SiLU, average pooling), without dropout or BatchNorm: 01's page."""
 
     def __init__(self):
         super().__init__()
@@ -131,22 +119,19 @@ METRIC = "accuracy"  # the epoch line's name for metric sum / count
 
 
 def loss_and_metric(output, target):
-    """Returns (loss sum, metric sum, count) of a batch. Sums over what the loss is a mean of
-    (samples here; tokens, say, for a sequence model) add up exactly over batches and ranks.
-    Training minimises loss sum / count."""
+    """Returns (loss sum, metric sum, count) of a batch: sums over what the loss is a mean of
+    (samples; tokens for a sequence model) add up exactly over batches and ranks."""
     loss = F.cross_entropy(output, target, reduction="sum")
     return loss, (output.argmax(dim=1) == target).sum(), len(target)
 
 
 def make_optimizer(model, args):
-    # Parameter groups with rates of their own, and AdamW, work too: get_lr scales each group's.
-    # A resume keeps the checkpoint's other settings (momentum, weight decay): load_state_dict.
+    # AdamW and parameter groups with rates of their own work too: get_lr scales each group's.
     return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
 def get_lr(step, total_steps, peak_lr, args):
-    """The learning rate of optimizer step `step` (from 0) of the run's `total_steps`, for a
-    parameter group whose rate in make_optimizer is peak_lr."""
+    """The rate at optimizer step `step` (from 0) of a group with peak_lr in make_optimizer."""
     warmup_steps = args.warmup * total_steps  # 0 without --warmup
     if step < warmup_steps:  # rises linearly
         return peak_lr * ((step + 1) / (warmup_steps + 1))
@@ -180,8 +165,7 @@ def make_loaders(args, rank, world_size, device, gloo_group):
 
 
 def train_step(args, model, batches, micro_batches, optimizer, device, sums):
-    """One optimizer step over the next micro_batches batches; adds their [loss sum, count,
-    samples] to sums."""
+    """One optimizer step over the next micro_batches batches; adds to sums what they trained."""
     for micro_batch in range(micro_batches):
         inputs, targets = (tensor.to(device, non_blocking=True) for tensor in next(batches))
         # bf16 where autocast finds it safe (--amp). DDP: no_sync() skips the gradients'
@@ -201,8 +185,7 @@ def train_step(args, model, batches, micro_batches, optimizer, device, sums):
 
 
 def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
-    """One pass over loader; returns (mean training loss, samples). Prints progress every
-    --log-interval optimizer steps."""
+    """One pass over loader; returns (mean training loss, samples)."""
     model.train()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, count, samples]
     logged_sums, logged_at = sums.clone(), time.perf_counter()  # at the last progress line
@@ -210,11 +193,7 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
     steps_per_epoch = math.ceil(len(loader) / args.accumulate)  # optimizer steps
     for step in range(steps_per_epoch):
         # Dropout and other draws as if the run was never stopped: seeded by the step (01's page).
-        # Not torch.manual_seed, which seeds every kind of device: 0.1 ms a call.
-        seed = hash((args.seed, dist.get_rank(), epoch, step))  # DDP: and by the rank
-        torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":
-            torch.cuda.manual_seed_all(seed)  # every GPU's generator (02's replicas use them all)
+        torch.manual_seed(hash((args.seed, dist.get_rank(), epoch, step)))  # DDP: and by the rank
         for group, peak_lr in zip(optimizer.param_groups, peak_lrs):
             group["lr"] = get_lr(epoch * steps_per_epoch + step, args.epochs * steps_per_epoch,
                                  peak_lr, args)
@@ -251,8 +230,7 @@ def evaluate(model, loader, device, seed):
 
 
 def save_checkpoint(path, checkpointed, progress):
-    """Saves each object's state_dict() by name, and the progress (plain data). A crash while
-    writing leaves the previous file whole."""
+    """Saves each object's state_dict() by name, and the progress; a crash leaves the old file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
         torch.save({name: obj.state_dict() for name, obj in checkpointed.items()} | progress, f)
@@ -263,9 +241,8 @@ def save_checkpoint(path, checkpointed, progress):
 
 def load_checkpoint(path, checkpointed):
     """Restores each object of checkpointed from path. Returns (progress, error): the progress
-    saved with them ({"epoch": ...}, None where there is no path or no file), and why the file
-    cannot be used (or None). The file is mapped, not read: a tensor is copied at most once, onto
-    this process's device (on a CPU, the optimizer keeps some mapped)."""
+    saved with them ({"epoch": ...}, None without a file), and why the file cannot be used (or
+    None). Mapped, not read: one copy of a tensor."""
     if not path or not os.path.exists(path):
         return None, None
     try:
@@ -293,8 +270,7 @@ def setup(rank, local_rank, world_size, timeout, store=None):
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-    # DDP: a collective fails after timeout seconds without every rank; the launcher then ends
-    # the others.
+    # DDP: a collective fails after timeout seconds without every rank; the launcher ends the rest.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
     print(f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} "
@@ -321,8 +297,7 @@ def train(args, rank, world_size, device, gloo_group):
     start_epoch = progress["epoch"] if progress else 0
     if progress and progress.get("step"):  # saved inside an epoch by 05 or 06
         exit_with_error(f"{args.checkpoint} stopped inside epoch {start_epoch + 1}; resume it "
-                        "with the step that wrote it (05 or 06), or from an end-of-epoch "
-                        "checkpoint")
+                        "with 05 or 06, or from an end-of-epoch checkpoint")
     if progress and is_main:
         print(f"resumed from {args.checkpoint} after epoch {start_epoch}", flush=True)
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
@@ -351,8 +326,7 @@ def train(args, rank, world_size, device, gloo_group):
 
 
 def run(rank, args):
-    """One training process; mp.spawn passes its index: its rank, and its local rank (one
-    machine)."""
+    """One training process; mp.spawn passes its index: its rank and local rank (one machine)."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False)
     device, gloo_group = setup(rank, rank, args.world_size, args.collective_timeout, store)
@@ -378,25 +352,18 @@ def main():
 
 
 def check_same_checkpoint(path, resumed, load_error, group):
-    """DDP: every rank loads the checkpoint itself (a node's ranks share the file's pages). If one
-    could not use it, or found no file or another, as where a node's view of shared storage lags,
-    all end with rank 0's line rather than train from different states."""
+    """DDP: every rank loads the checkpoint itself. If one could not use it, or found no file or
+    another (a node's view of shared storage lags), all end with one line, not different states."""
     every_rank = [None] * dist.get_world_size()  # (host, progress, error) of each rank
-    found_here = (socket.gethostname(), resumed, load_error)
-    dist.all_gather_object(every_rank, found_here, group=group)  # DDP: what every rank found
-    for rank, (host, _, error) in enumerate(every_rank):
-        if error:  # the first rank that could not use the file
+    dist.all_gather_object(every_rank, (socket.gethostname(), resumed, load_error), group=group)
+    positions = [f"epoch {found['epoch'] + 1} step {found.get('step', 0)}" if found else "no file"
+                 for _, found, _ in every_rank]
+    for rank, (host, found, error) in enumerate(every_rank):
+        if not error and repr(found) != repr(every_rank[0][1]):  # as text: a NaN is not itself
+            error = (f"it finds {positions[rank]}, rank 0 on {every_rank[0][0]} "
+                     f"{positions[0]}: start again once every node sees the same file")
+        if error:
             exit_with_error(f"cannot use the checkpoint {path} (rank {rank} on {host}): {error}")
-    positions = [(found["epoch"], found.get("step", 0)) if found else "no file"
-                 for _, found, _ in every_rank]  # (epochs done, step)
-    # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.
-    rank_0_text = repr(every_rank[0][1])
-    others = [f"rank {rank} on {host} finds {positions[rank]}"
-              for rank, (host, found, _) in enumerate(every_rank) if repr(found) != rank_0_text]
-    if others:
-        exit_with_error(f"ranks see another checkpoint at {path} than rank 0 on "
-                        f"{every_rank[0][0]}, which finds (epochs done, step) {positions[0]}: "
-                        f"{', '.join(others)}; start again once every node sees the same file")
 
 
 if __name__ == "__main__":

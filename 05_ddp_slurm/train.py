@@ -32,12 +32,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def parse_args():
-    class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):  # and no "(default: None)"
-        def _get_help_string(self, action):
-            return action.help if action.default is None else super()._get_help_string(action)
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],  # names the step
-                                     formatter_class=HelpWithDefaults)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
     parser.add_argument("--batch-size", type=int, default=64,
                         help="samples per micro-batch in each process")
@@ -75,16 +71,12 @@ def parse_args():
                              "without a warning")
     args = parser.parse_args()
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1, workers=0,
-                    log_interval=0, clip_grad=0, save_every=0)
+                    log_interval=0, clip_grad=0, lr=0, collective_timeout=1, save_every=0)
     for flag, minimum in minimums.items():
         if getattr(args, flag) < minimum:
             parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}")
-    if not args.lr > 0:
-        parser.error("--lr must be above 0")
     if not 0 <= args.warmup < 1:
         parser.error("--warmup must be at least 0 and below 1")
-    if not args.collective_timeout > 0:
-        parser.error("--collective-timeout must be above 0 seconds")
     # SLURM: a relative --checkpoint is the submit folder's, not the working folder's (in a
     # container, one that is thrown away). The folder must be there: else the file is lost too.
     if args.checkpoint and "SLURM_SUBMIT_DIR" in os.environ:
@@ -96,11 +88,9 @@ def parse_args():
     return args
 
 
-# Your task replaces these, down to get_lr: the data, the model, the loss and metric, the optimizer
-# and its schedule.
+# Your task replaces these, down to get_lr: data, model, loss and metric, optimizer, schedule.
 def load_datasets(args):
-    """Returns (train, test): datasets that take one index and return one (image, label), as
-    torchvision's do; yours may read each sample from disk. Images normalised, not in 0..1."""
+    """Returns (train, test): datasets of (image, label) by index, as torchvision's (01's page)."""
     if args.dataset == "synthetic":
         # Each class is a fixed random pattern under noise, the same on every machine.
         generator = torch.Generator().manual_seed(1234)
@@ -122,9 +112,7 @@ def load_datasets(args):
 
 
 class Net(nn.Module):
-    """A small CNN without dropout or BatchNorm (01's page says why). SiLU and average pooling, not
-    ReLU and max pooling: smooth, so that the rounding differences between steps (DDP adds in
-    another order) stay near 1e-6."""
+    """A small CNN, smooth (SiLU, average pooling), without dropout or BatchNorm: 01's page."""
 
     def __init__(self):
         super().__init__()
@@ -143,22 +131,19 @@ METRIC = "accuracy"  # the epoch line's name for metric sum / count
 
 
 def loss_and_metric(output, target):
-    """Returns (loss sum, metric sum, count) of a batch. Sums over what the loss is a mean of
-    (samples here; tokens, say, for a sequence model) add up exactly over batches and ranks.
-    Training minimises loss sum / count."""
+    """Returns (loss sum, metric sum, count) of a batch: sums over what the loss is a mean of
+    (samples; tokens for a sequence model) add up exactly over batches and ranks."""
     loss = F.cross_entropy(output, target, reduction="sum")
     return loss, (output.argmax(dim=1) == target).sum(), len(target)
 
 
 def make_optimizer(model, args):
-    # Parameter groups with rates of their own, and AdamW, work too: get_lr scales each group's.
-    # A resume keeps the checkpoint's other settings (momentum, weight decay): load_state_dict.
+    # AdamW and parameter groups with rates of their own work too: get_lr scales each group's.
     return torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 
 def get_lr(step, total_steps, peak_lr, args):
-    """The learning rate of optimizer step `step` (from 0) of the run's `total_steps`, for a
-    parameter group whose rate in make_optimizer is peak_lr."""
+    """The rate at optimizer step `step` (from 0) of a group with peak_lr in make_optimizer."""
     warmup_steps = args.warmup * total_steps  # 0 without --warmup
     if step < warmup_steps:  # rises linearly
         return peak_lr * ((step + 1) / (warmup_steps + 1))
@@ -205,8 +190,10 @@ class StopVote:
     or is due a --save-every save, and read the vote before the next. A CPU tensor in a Gloo group:
     it never waits for the GPU."""
 
-    def __init__(self, save_every_minutes, group):
-        self.save_every_seconds, self.group = 60 * save_every_minutes, group  # 0: never
+    def __init__(self, save_every_minutes, timeout):
+        self.save_every_seconds = 60 * save_every_minutes  # 0: never
+        # Its own group, which fails after --collective-timeout too, not after an hour.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         self.votes, self.sent, self.seen_at = torch.zeros(2), None, None
         self.clock_start = time.monotonic()
 
@@ -245,25 +232,25 @@ class ResumableSampler(DistributedSampler):
         return iter(list(super().__iter__())[self.skip:])
 
 
-def start_progress(args, resumed, train_samples):
-    """SLURM: where this run starts, as the plain data that a save stores: the epoch, its steps
-    and their loss sums, what decides each step's samples, the time limit's stops in a row."""
+def start_progress(args, checkpointed, train_samples, write_error, gloo_group):
+    """SLURM: loads the checkpoint, checks it (the end of this file) and returns where this run
+    starts, as the plain data that a save stores."""
+    resumed, load_error = load_checkpoint(args.checkpoint, checkpointed)
+    if args.checkpoint:  # the folder: rank 0 wrote its probe, every rank reads it
+        load_error = load_error or write_error or probe_error(args.checkpoint)
+    check_same_checkpoint(args.checkpoint, resumed, load_error, gloo_group)  # DDP: a site check
+    if args.checkpoint and dist.get_rank() == 0:
+        with suppress(FileNotFoundError):  # every rank read it (or another run removed it)
+            os.remove(f"{args.checkpoint}.probe")
     global_batch = dist.get_world_size() * args.batch_size * args.accumulate
     sample_order = f"global batch {global_batch}, seed {args.seed}, {train_samples} samples"
-    progress = dict(epoch=0, step=0, loss_sum=0.0, count=0.0, stalled_runs=0,
-                    sample_order=sample_order)
-    if resumed and resumed.get("step"):  # saved inside an epoch: its steps take the same samples
-        if resumed.get("sample_order") != sample_order:
-            exit_with_error(f"{args.checkpoint} stopped inside epoch {resumed['epoch'] + 1} with "
-                            f"{resumed.get('sample_order')}, now {sample_order}: resume it with "
-                            "those, or from an end-of-epoch checkpoint")
-        progress.update(step=resumed["step"], loss_sum=resumed["loss_sum"],
-                        count=resumed["count"])
-    if resumed:
-        progress["epoch"] = resumed["epoch"]
-    if resumed and int(os.environ.get("SLURM_RESTART_COUNT", 0)):  # a new job starts at 0
-        progress["stalled_runs"] = resumed.get("stalled_runs", 0)  # 01-04 save none
-    progress["resumed_at"] = [progress["epoch"], progress["step"]]
+    progress = dict(epoch=0, step=0, loss_sum=0.0, count=0.0, stalled_runs=0) | (resumed or {})
+    if progress["step"] and progress.get("sample_order") != sample_order:  # inside an epoch
+        exit_with_error(f"{args.checkpoint} stopped inside epoch {progress['epoch'] + 1} with "
+                        f"{progress.get('sample_order')}, now {sample_order}: resume with those")
+    restarted = int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0  # a requeue, not a new job
+    progress.update(sample_order=sample_order, resumed_at=[progress["epoch"], progress["step"]],
+                    stalled_runs=progress["stalled_runs"] if restarted else 0)
     if resumed and dist.get_rank() == 0:
         print(f"resumed from {args.checkpoint} at epoch {progress['epoch'] + 1} "
               f"step {progress['step']}", flush=True)
@@ -287,20 +274,18 @@ def stop_run(args, checkpointed, progress, gloo_group, stop_signal, seen_at):
         save_checkpoint(args.checkpoint, checkpointed, progress)
     dist.barrier(group=gloo_group)  # DDP: the others wait until the checkpoint is complete
     saved = f"saved in {time.monotonic() - began:.1f} s"
-    exit_code, outcome = REQUEUE_EXIT_CODE, f"exit code {REQUEUE_EXIT_CODE}, to be requeued"
-    if not args.checkpoint:  # nothing to resume: a requeue would start over
-        saved, exit_code, outcome = "nothing saved (no --checkpoint)", 1, "exit code 1"
+    exit_code, outcome = REQUEUE_EXIT_CODE, "to be requeued"
+    if not args.checkpoint:  # a requeue would start over
+        saved, exit_code, outcome = "nothing saved", 1, "not requeued: no --checkpoint"
     elif progress["stalled_runs"] >= MAX_STALLED_RUNS:
         exit_code = 1
-        outcome = (f"exit code 1, not requeued: {MAX_STALLED_RUNS} runs in a row made no step "
-                   "before the time limit's signal (raise the time limit)")
+        outcome = f"not requeued: {MAX_STALLED_RUNS} runs in a row made no step (raise --time)"
     elif not os.environ.get("REQUEUE_ON_144"):  # set by submit.sh (06: by its launcher)
-        outcome = (f"exit code {REQUEUE_EXIT_CODE}, started without submit.sh: the same command "
-                   "resumes")
+        outcome = "started without submit.sh: the same command resumes"
     if dist.get_rank() == 0:
         print(f"stopped at epoch {progress['epoch'] + 1} step {progress['step']} on "
               f"{signal.Signals(stop_signal).name} {time.monotonic() - seen_at:.1f} s after the "
-              f"signal was seen, {saved}: {outcome}", flush=True)
+              f"signal was seen, {saved}: exit code {exit_code}, {outcome}", flush=True)
     return exit_code
 
 
@@ -328,8 +313,7 @@ def make_loaders(args, rank, world_size, device, gloo_group):
 
 
 def train_step(args, model, batches, micro_batches, optimizer, device, sums):
-    """One optimizer step over the next micro_batches batches; adds their [loss sum, count,
-    samples] to sums."""
+    """One optimizer step over the next micro_batches batches; adds to sums what they trained."""
     for micro_batch in range(micro_batches):
         inputs, targets = (tensor.to(device, non_blocking=True) for tensor in next(batches))
         # bf16 where autocast finds it safe (--amp). DDP: no_sync() skips the gradients'
@@ -365,11 +349,7 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress, 
         if stop_signal or save_due:
             break
         # Dropout and other draws as if the run was never stopped: seeded by the step (01's page).
-        # Not torch.manual_seed, which seeds every kind of device: 0.1 ms a call.
-        seed = hash((args.seed, dist.get_rank(), epoch, step))  # DDP: and by the rank
-        torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":
-            torch.cuda.manual_seed_all(seed)  # every GPU's generator (02's replicas use them all)
+        torch.manual_seed(hash((args.seed, dist.get_rank(), epoch, step)))  # DDP: and by the rank
         for group, peak_lr in zip(optimizer.param_groups, peak_lrs):
             group["lr"] = get_lr(epoch * steps_per_epoch + step, args.epochs * steps_per_epoch,
                                  peak_lr, args)
@@ -415,8 +395,7 @@ def evaluate(model, loader, device, seed, vote):
 
 
 def save_checkpoint(path, checkpointed, progress):
-    """Saves each object's state_dict() by name, and the progress (plain data). A crash while
-    writing leaves the previous file whole."""
+    """Saves each object's state_dict() by name, and the progress; a crash leaves the old file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
         torch.save({name: obj.state_dict() for name, obj in checkpointed.items()} | progress, f)
@@ -427,9 +406,8 @@ def save_checkpoint(path, checkpointed, progress):
 
 def load_checkpoint(path, checkpointed):
     """Restores each object of checkpointed from path. Returns (progress, error): the progress
-    saved with them ({"epoch": ...}, None where there is no path or no file), and why the file
-    cannot be used (or None). The file is mapped, not read: a tensor is copied at most once, onto
-    this process's device (on a CPU, the optimizer keeps some mapped)."""
+    saved with them ({"epoch": ...}, None without a file), and why the file cannot be used (or
+    None). Mapped, not read: one copy of a tensor."""
     if not path or not os.path.exists(path):
         return None, None
     try:
@@ -460,8 +438,7 @@ def setup(rank, local_rank, world_size, timeout):
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-    # DDP: a collective fails after timeout seconds without every rank; the launcher then ends
-    # the others.
+    # DDP: a collective fails after timeout seconds without every rank; the launcher ends the rest.
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
     print(f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} "
@@ -489,17 +466,9 @@ def train(args, rank, world_size, device, gloo_group):
     peak_lrs = [group["lr"] for group in optimizer.param_groups]  # this run's, not a checkpoint's
     # What a checkpoint holds and a resume restores, by name: add yours (01's page: an EMA).
     checkpointed = {"model": model, "optimizer": optimizer}
-    resumed, load_error = load_checkpoint(args.checkpoint, checkpointed)
-    if args.checkpoint:  # SLURM
-        load_error = load_error or write_error or probe_error(args.checkpoint)
-    check_same_checkpoint(args.checkpoint, resumed, load_error, gloo_group)  # DDP: a site check
-    if args.checkpoint and is_main:
-        with suppress(FileNotFoundError):  # SLURM: every rank read it (or another run removed it)
-            os.remove(f"{args.checkpoint}.probe")
-    progress = start_progress(args, resumed, len(train_loader.dataset))  # SLURM
-    # SLURM: the stop vote's group fails after --collective-timeout too, not after an hour.
-    vote_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.collective_timeout))
-    vote = StopVote(args.save_every if args.checkpoint else 0, vote_group)  # SLURM
+    progress = start_progress(args, checkpointed, len(train_loader.dataset), write_error,
+                              gloo_group)  # SLURM
+    vote = StopVote(args.save_every if args.checkpoint else 0, args.collective_timeout)  # SLURM
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
@@ -569,25 +538,18 @@ def main():
 
 
 def check_same_checkpoint(path, resumed, load_error, group):
-    """DDP: every rank loads the checkpoint itself (a node's ranks share the file's pages). If one
-    could not use it, or found no file or another, as where a node's view of shared storage lags,
-    all end with rank 0's line rather than train from different states."""
+    """DDP: every rank loads the checkpoint itself. If one could not use it, or found no file or
+    another (a node's view of shared storage lags), all end with one line, not different states."""
     every_rank = [None] * dist.get_world_size()  # (host, progress, error) of each rank
-    found_here = (socket.gethostname(), resumed, load_error)
-    dist.all_gather_object(every_rank, found_here, group=group)  # DDP: what every rank found
-    for rank, (host, _, error) in enumerate(every_rank):
-        if error:  # the first rank that could not use the file
+    dist.all_gather_object(every_rank, (socket.gethostname(), resumed, load_error), group=group)
+    positions = [f"epoch {found['epoch'] + 1} step {found.get('step', 0)}" if found else "no file"
+                 for _, found, _ in every_rank]
+    for rank, (host, found, error) in enumerate(every_rank):
+        if not error and repr(found) != repr(every_rank[0][1]):  # as text: a NaN is not itself
+            error = (f"it finds {positions[rank]}, rank 0 on {every_rank[0][0]} "
+                     f"{positions[0]}: start again once every node sees the same file")
+        if error:
             exit_with_error(f"cannot use the checkpoint {path} (rank {rank} on {host}): {error}")
-    positions = [(found["epoch"], found.get("step", 0)) if found else "no file"
-                 for _, found, _ in every_rank]  # (epochs done, step)
-    # Compared as text: a NaN (in 05's saved loss sums) is not equal to itself.
-    rank_0_text = repr(every_rank[0][1])
-    others = [f"rank {rank} on {host} finds {positions[rank]}"
-              for rank, (host, found, _) in enumerate(every_rank) if repr(found) != rank_0_text]
-    if others:
-        exit_with_error(f"ranks see another checkpoint at {path} than rank 0 on "
-                        f"{every_rank[0][0]}, which finds (epochs done, step) {positions[0]}: "
-                        f"{', '.join(others)}; start again once every node sees the same file")
 
 
 def gpus_on_node():
@@ -630,15 +592,14 @@ def check_launch(rank):
 
 def run_id():
     """SLURM: the same on every rank of this run, and another in the next."""
-    slurm_run = f"{os.environ.get('SLURM_JOB_ID')}-{os.environ.get('SLURM_RESTART_COUNT', 0)}"
-    return f"{slurm_run} port {os.environ.get('MASTER_PORT')}"
+    names = ["SLURM_JOB_ID", "SLURM_RESTART_COUNT", "MASTER_PORT"]
+    return " ".join(os.environ.get(name, "") for name in names)
 
 
 def write_probe(checkpoint):
-    """SLURM: rank 0 writes run_id() beside the checkpoint, and every rank must read it back
-    (probe_error()): a folder on node-local storage ($TMPDIR, /tmp) is on every node, but a
-    requeue whose rank 0 runs on another node would find no checkpoint, and start over, every
-    time. Returns why it cannot write there, or None."""
+    """SLURM: rank 0 writes run_id() beside the checkpoint, and every rank reads it back: a folder
+    on node-local storage ($TMPDIR) would lose the checkpoint to a requeue on other nodes. Returns
+    why it cannot write there, or None."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(checkpoint)), exist_ok=True)  # as a save
         with open(f"{checkpoint}.probe", "w") as probe:

@@ -143,9 +143,9 @@ def test_ranks_that_found_different_files_at_the_same_step_stop(monkeypatch, cap
     monkeypatch.setattr(module.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(module.dist, "all_gather_object", lambda out, obj, group: out.__setitem__(
         slice(None), [("node0", rank0, None), ("node1", mine, None)]))
-    for rank, printed in [(0, "error: ranks see another checkpoint at ckpt.pt than rank 0 on node0, which finds "
-                              "(epochs done, step) (1, 5): rank 1 on node1 finds (1, 5); start again once every "
-                              "node sees the same file\n"), (1, "")]:
+    for rank, printed in [(0, "error: cannot use the checkpoint ckpt.pt (rank 1 on node1): it finds epoch 2 step 5, "
+                              "rank 0 on node0 epoch 2 step 5: start again once every node sees the same file\n"),
+                          (1, "")]:
         monkeypatch.setattr(module.dist, "get_rank", lambda rank=rank: rank)
         with pytest.raises(SystemExit) as stopped:
             module.check_same_checkpoint("ckpt.pt", [rank0, mine][rank], None, None)

@@ -370,7 +370,7 @@ def test_06_a_run_cut_short_without_a_checkpoint_exits_1(monkeypatch, capsys):
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     code = stopped(lambda: module.run(args))
     output = capsys.readouterr().out
-    assert code == 1 and "nothing saved (no --checkpoint): exit code 1" in output, (
+    assert code == 1 and "nothing saved: exit code 1, not requeued: no --checkpoint" in output, (
         code, output)
 
 

@@ -261,8 +261,8 @@ def test_05_preemption_with_workers_of_any_start_method(preempted, ladder, refer
 def test_05_a_rank_that_sees_another_checkpoint_stops_the_run_with_one_line(cluster_env, ladder, tmp_path):
     """Three ranks, each in its own folder with the relative --checkpoint path: rank 0's holds the checkpoint,
     rank 1's nothing, rank 2's an older checkpoint, as on nodes whose view of shared storage lags behind. Rank 0
-    decides: all stop at once, before training, with rank 0's one line naming each rank that differs, rather than
-    hang or train from different states."""
+    decides: all stop at once, before training, with rank 0's one line naming the first rank that differs, rather
+    than hang or train from different states."""
     folders = [tmp_path / f"rank{rank}" for rank in range(3)]
     for folder in folders:
         folder.mkdir()
@@ -276,9 +276,8 @@ def test_05_a_rank_that_sees_another_checkpoint_stops_the_run_with_one_line(clus
     assert all(code != 0 for code in codes), output
     errors = [line for line in output.splitlines() if "error" in line.lower()]
     host = os.uname().nodename
-    assert errors == [f"error: ranks see another checkpoint at ckpt.pt than rank 0 on {host}, which finds (epochs "
-                      f"done, step) (2, 0): rank 1 on {host} finds no file, rank 2 on {host} finds (1, 0); start again "
-                      "once every node sees the same file"], output
+    assert errors == [f"error: cannot use the checkpoint ckpt.pt (rank 1 on {host}): it finds no file, rank 0 on "
+                      f"{host} epoch 3 step 0: start again once every node sees the same file"], output
     assert "Traceback" not in output and "epoch 3/3" not in output, output
     assert (folders[0] / "ckpt.pt").read_bytes() == ladder("05_ddp_slurm").final.read_bytes()  # nothing saved
 
@@ -303,10 +302,10 @@ def test_05_mid_epoch_checkpoint_and_another_layout(preempted, reference, tmp_pa
     # 05 refuses with exit_with_error: exit code 1, rank 0's one line on stderr.
     assert batch16[0] == 1 and errors_of(batch16[1]) == [
         f"error: {checkpoint} stopped inside epoch 2 with global batch 64, seed 0, 3200 samples, now global batch 16, "
-        "seed 0, 3200 samples: resume it with those, or from an end-of-epoch checkpoint"], batch16
+        "seed 0, 3200 samples: resume with those"], batch16
     assert seed1[0] == 1 and "now global batch 64, seed 1, 3200 samples" in "".join(errors_of(seed1[1])), seed1
-    refusal = (f"error: {checkpoint} stopped inside epoch 2; resume it with the step that wrote it (05 or 06), or "
-               "from an end-of-epoch checkpoint")
+    refusal = (f"error: {checkpoint} stopped inside epoch 2; resume it with 05 or 06, or from an end-of-epoch "
+               "checkpoint")
     # 01 and 02 give sys.exit the line; 03, as every DDP step, exits 1 after rank 0 printed it (exit_with_error).
     assert [others[step][0] for step in OTHERS[:2]] == [refusal] * 2, others
     assert others[OTHERS[2]][0] == 1 and errors_of(others[OTHERS[2]][1]) == [refusal], others
@@ -412,7 +411,7 @@ def test_05_without_a_checkpoint_a_stop_ends_the_run_and_asks_for_no_requeue(clu
     assert codes == [1, 1], output
     stops = [line for line in output.splitlines() if line.startswith("stopped at")]
     assert len(stops) == 1 and re.fullmatch(r"stopped at epoch 1 step \d+ on SIGUSR2 [\d.]+ s after the signal was "
-                                            r"seen, nothing saved \(no --checkpoint\): exit code 1", stops[0]), output
+                                            r"seen, nothing saved: exit code 1, not requeued: no --checkpoint", stops[0]), output
     assert "epoch 1/1 |" not in output and cluster_env.requeues() == [], output
     assert not list(tmp_path.glob("*.pt")), list(tmp_path.iterdir())
 
