@@ -74,8 +74,7 @@ def parse_args():
         args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint)
         if not os.path.isdir(os.path.dirname(args.checkpoint)):
             parser.error(f"no checkpoint folder {os.path.dirname(args.checkpoint)} on "
-                         f"{socket.gethostname()}: make it before the job (submit.sh does), and "
-                         "mount it there in a container")
+                         f"{socket.gethostname()}: make it first, and mount it in a container")
     return args
 
 

@@ -83,8 +83,7 @@ def parse_args():
         args.checkpoint = os.path.join(os.environ["SLURM_SUBMIT_DIR"], args.checkpoint)
         if not os.path.isdir(os.path.dirname(args.checkpoint)):
             parser.error(f"no checkpoint folder {os.path.dirname(args.checkpoint)} on "
-                         f"{socket.gethostname()}: make it before the job (submit.sh does), and "
-                         "mount it there in a container")
+                         f"{socket.gethostname()}: make it first, and mount it in a container")
     return args
 
 
@@ -521,9 +520,8 @@ def main():
     else:
         names = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"]
         if "SLURM_STEP_ID" not in os.environ or "MASTER_ADDR" not in os.environ:
-            sys.exit("error: start this script with srun in a job of submit.sh (sbatch "
-                     "05_ddp_slurm/submit.sh), or try it without Slurm: CUDA_VISIBLE_DEVICES= "
-                     "torchrun --standalone --nproc-per-node 2 05_ddp_slurm/train.py")
+            sys.exit("error: start it with sbatch 05_ddp_slurm/submit.sh, or without Slurm: "
+                     "torchrun --standalone --nproc-per-node 2 05_ddp_slurm/train.py (05's page)")
         # SLURM: the site checks, at the end of this file: before setup(), no rank waits yet.
         check_launch(int(os.environ["SLURM_PROCID"]))
     rank, local_rank, world_size = (int(os.environ[name]) for name in names)

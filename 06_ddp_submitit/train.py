@@ -108,8 +108,7 @@ def add_submission_flags(parser):
 
 
 def sbatch_option(text):
-    """submitit: --sbatch's KEY=VALUE as (key, value), a bare KEY as (key, True), with dashes as
-    submitit writes them: partition=P, --time=10, gpus_per_node=2."""
+    """submitit: --sbatch's KEY=VALUE as (key, value), KEY as (key, True); dashes as submitit's."""
     key, equals, value = text.lstrip("-").partition("=")
     return key.replace("_", "-"), value if equals else True
 
@@ -567,7 +566,6 @@ def run(args):
     catch_stop_signals()
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False,
                                                                 overwrite=True)
-    # MASTER_PORT: submitit's, drawn from the job id.
     rank, local_rank, world_size = env.rank, env.local_rank, env.world_size
     if args.workers is None:  # submitit: half of the task's cores; the other half for the threads
         args.workers = (args.cpus_per_task or int(os.environ.get("SRUN_CPUS_PER_TASK", 1))) // 2

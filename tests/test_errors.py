@@ -56,7 +56,7 @@ WRONG_LAUNCHES = [
     ("06 on Slurm without --gpus-per-node", [PY, "06_ddp_submitit/train.py", "--nodes", "2"], ON_A_LOGIN_NODE, 2,
      "--gpus-per-node"),
     ("04 without torchrun", [PY, "04_ddp_torchrun/train.py"], {"LOCAL_RANK": ""}, 1, "torchrun"),
-    ("05 without srun", [PY, "05_ddp_slurm/train.py"], NO_SLURM, 1, "srun"),
+    ("05 without srun", [PY, "05_ddp_slurm/train.py"], NO_SLURM, 1, "sbatch 05_ddp_slurm/submit.sh"),
     ("05 without MASTER_ADDR", [PY, "05_ddp_slurm/train.py"], {**SRUN_TASK, "MASTER_ADDR": ""}, 1, "submit.sh"),
 ]
 

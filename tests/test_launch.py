@@ -292,8 +292,8 @@ def test_04_under_slurm_takes_a_relative_checkpoint_as_the_submit_folders(monkey
     with pytest.raises(SystemExit) as exited:
         module.parse_args()
     assert exited.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
-        f"train.py: error: no checkpoint folder {submit}/checkpoints on {socket.gethostname()}: make it before the "
-        "job (submit.sh does), and mount it there in a container")
+        f"train.py: error: no checkpoint folder {submit}/checkpoints on {socket.gethostname()}: make it first, and "
+        "mount it in a container")
     (submit / "checkpoints").mkdir()  # as submit.sh makes it, on the host
     assert module.parse_args().checkpoint == f"{submit}/checkpoints/ddp-torchrun-7.pt"
 
