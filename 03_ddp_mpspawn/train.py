@@ -148,11 +148,9 @@ def make_loaders(args, rank, world_size, device, gloo_group):
     train_set, test_set = load_datasets(args)
     if rank == 0:
         dist.barrier(group=gloo_group)
-    # DDP: each rank takes every world_size-th index of the epoch's order (set by train() each
-    # epoch), padded to the same number of steps.
+    # DDP: each rank takes every world_size-th index of the epoch's order, padded to equal steps.
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
-    # DDP: and every world_size-th test sample, not padded, so that the sums over ranks are exact,
-    # in as many batches on every rank (a collective in each, as 05's stop vote, needs that).
+    # DDP: and every world_size-th test sample, not padded (exact sums), in equal batch counts.
     test_batches = min(math.ceil(len(test_set) / world_size / args.test_batch_size),
                        len(test_set) // world_size)  # no empty batch
     test_shard = torch.arange(rank, len(test_set), world_size).tensor_split(test_batches)
@@ -264,7 +262,7 @@ def exit_with_error(message):
 
 def setup(rank, local_rank, world_size, timeout, store=None):
     """DDP: picks this process's device and joins the process group (at store, or at
-    MASTER_ADDR:MASTER_PORT); returns the device and a Gloo group for waiting on rank 0."""
+    MASTER_ADDR:MASTER_PORT); returns the device and a Gloo group to wait for rank 0 in."""
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"  # DDP: one GPU per process
         torch.cuda.set_device(device)
@@ -277,8 +275,7 @@ def setup(rank, local_rank, world_size, timeout, store=None):
           f"pid {os.getpid()} device {device} backend {backend} "
           f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}\n",
           end="", flush=True)  # one write, so that the ranks' lines do not interleave
-    # DDP: a second group, in which the others wait while rank 0 alone downloads or saves: at least
-    # an hour. Gloo, so that it takes no GPU memory.
+    # DDP: a Gloo group (no GPU memory) to wait in, an hour, while rank 0 downloads or saves.
     gloo_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, timeout)))
     return device, gloo_group
 
@@ -337,8 +334,7 @@ def run(rank, args):
 
 def main():
     args = parse_args()
-    # DDP: the ranks meet at a store that this process holds all run, on a port the OS picks:
-    # free, and kept.
+    # DDP: the ranks meet at a store this process holds all run, on a free port the OS picks.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
     try:

@@ -152,11 +152,10 @@ def get_lr(step, total_steps, peak_lr, args):
     return peak_lr * ((1 + math.cos(math.pi * decay_fraction)) / 2)
 
 
-# SLURM: stopping inside an epoch, and resuming there. Slurm signals every task: SIGUSR2 before
-# the time limit (submit.sh's --signal), SIGTERM on a preemption or a scancel. The ranks vote after
-# each step (StopVote) and all stop at the same one; stop_run() has rank 0 save it and exits with
-# REQUEUE_EXIT_CODE, on which submit.sh (06: its slurm_teardown) requeues the job from the host.
-# The job starts again under the same id and resumes there (ResumableSampler).
+# SLURM: Slurm signals every task: SIGUSR2 before the time limit (submit.sh's --signal), SIGTERM
+# on a preemption or a scancel. The ranks vote after each step (StopVote) and stop at the same one;
+# stop_run() saves it and exits with REQUEUE_EXIT_CODE, on which submit.sh (06: its slurm_teardown)
+# requeues the job, which resumes there (ResumableSampler).
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 REQUEUE_EXIT_CODE = 144  # of tasks that stopped and saved: submit.sh requeues the job
 MAX_STALLED_RUNS = 3  # time-limit stops in a row before any progress: then no requeue
@@ -169,25 +168,22 @@ def catch_stop_signals():
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: noted_stop_signals.append(signum))
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    # The resource tracker, started later by a data-loader worker, would unblock SIGTERM unseen:
-    # started here, it is blocked again after it.
+    # The resource tracker, started later by a worker, would unblock SIGTERM: start it, re-block.
     multiprocessing.resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 def stop_signal_received():
-    """SLURM: the stop signal this process received (SIGTERM where both), or 0. Blocked, as in
-    the main thread and what it starts, a signal waits in sigpending(); one that reaches a thread
-    without the block is noted by the handler."""
+    """SLURM: the stop signal this process received (SIGTERM where both), or 0: pending where it is
+    blocked, noted by the handler where it reached a thread without the block."""
     if noted_stop_signals:
         return max(noted_stop_signals)
     return max(signal.sigpending() & set(STOP_SIGNALS), default=0)
 
 
 class StopVote:
-    """SLURM: after every step (and evaluation batch) the ranks vote whether any had a stop signal
-    or is due a --save-every save, and read the vote before the next. A CPU tensor in a Gloo group:
-    it never waits for the GPU."""
+    """SLURM: after every step (and evaluation batch) the ranks vote, on a CPU tensor that never
+    waits for the GPU, whether any had a stop signal or is due a --save-every save."""
 
     def __init__(self, save_every_minutes, timeout):
         self.save_every_seconds = 60 * save_every_minutes  # 0: never
@@ -295,11 +291,9 @@ def make_loaders(args, rank, world_size, device, gloo_group):
     train_set, test_set = load_datasets(args)
     if rank == 0:
         dist.barrier(group=gloo_group)
-    # DDP: each rank takes every world_size-th index of the epoch's order (set each epoch by
-    # train_one_epoch()), padded to the same number of steps.
+    # DDP: each rank takes every world_size-th index of the epoch's order, padded to equal steps.
     sampler = ResumableSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
-    # DDP: and every world_size-th test sample, not padded, so that the sums over ranks are exact,
-    # in as many batches on every rank (a collective in each, as 05's stop vote, needs that).
+    # DDP: and every world_size-th test sample, not padded (exact sums), in equal batch counts.
     test_batches = min(math.ceil(len(test_set) / world_size / args.test_batch_size),
                        len(test_set) // world_size)  # no empty batch
     test_shard = torch.arange(rank, len(test_set), world_size).tensor_split(test_batches)
@@ -332,8 +326,7 @@ def train_step(args, model, batches, micro_batches, optimizer, device, sums):
 
 
 def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress, vote):
-    """Trains progress["epoch"] from step progress["step"] to its end (SLURM: the sampler, a
-    ResumableSampler, skips the steps before), or until the vote (SLURM) stops the ranks together;
+    """Trains progress["epoch"] from progress["step"] (SLURM) to its end or to the vote's stop;
     adds to progress what it trained. Returns the samples it trained."""
     model.train()
     epoch = progress["epoch"]
@@ -377,8 +370,7 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress, 
 
 @torch.no_grad()
 def evaluate(model, loader, device, seed, vote):
-    """Returns [loss sum, metric sum, count] over loader (SLURM: a part of it where the vote
-    stops the ranks together)."""
+    """Returns [loss sum, metric sum, count] over loader (SLURM: a part, where the vote stops)."""
     model.eval()
     torch.manual_seed(seed)  # a model that samples (a VAE) gives the same figures after a resume
     sums = torch.zeros(3, dtype=torch.float64, device=device)
@@ -430,8 +422,7 @@ def setup(rank, local_rank, world_size, timeout):
     """DDP: picks this process's device and joins the process group at MASTER_ADDR:MASTER_PORT;
     returns the device and a Gloo group for waiting on rank 0."""
     if torch.cuda.is_available():
-        # SLURM: its local rank's GPU of the node's, or where the site binds one GPU to each
-        # task, its own, as cuda:0.
+        # SLURM: its local rank's GPU, or where the site binds one GPU to each task, cuda:0.
         device = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)
         backend = "nccl"
         torch.cuda.set_device(device)
@@ -445,8 +436,7 @@ def setup(rank, local_rank, world_size, timeout):
           f"cores {len(os.sched_getaffinity(0))} "  # SLURM: those the task is bound to
           f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}\n",
           end="", flush=True)  # one write, so that the ranks' lines do not interleave
-    # DDP: a second group, in which the others wait while rank 0 alone downloads or saves: at least
-    # an hour. Gloo, so that it takes no GPU memory.
+    # DDP: a Gloo group (no GPU memory) to wait in, an hour, while rank 0 downloads or saves.
     gloo_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(3600, timeout)))
     if device.type == "cuda":  # SLURM: a site check (the end of this file)
         check_gpus_not_shared(device, gloo_group)
@@ -456,7 +446,7 @@ def setup(rank, local_rank, world_size, timeout):
 def train(args, rank, world_size, device, gloo_group):
     """Returns the exit code: 0, or SLURM: a stop's, from stop_run()."""
     is_main = rank == 0  # DDP: only global rank 0 prints and saves
-    # SLURM: a site check (the end of this file), read by every rank once the data barrier passed
+    # SLURM: a site check (the end of this file), read by every rank after the data barrier
     write_error = write_probe(args.checkpoint) if args.checkpoint and is_main else None
     train_loader, test_loader = make_loaders(args, rank, world_size, device, gloo_group)
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
@@ -620,9 +610,9 @@ def probe_error(checkpoint):
 
 
 def check_gpus_not_shared(device, group):
-    """SLURM: tasks that share a GPU (--gpu-bind=map_gpu:0, MIG slices of one GPU) fail in NCCL,
-    whose message invites NCCL_MULTI_RANK_GPU_ENABLE=1: don't. Compared by host and PCI address,
-    not by CUDA index (0 in every task under ConstrainDevices) nor by UUID (one per MIG slice)."""
+    """SLURM: tasks that share a GPU fail in NCCL, whose message invites setting
+    NCCL_MULTI_RANK_GPU_ENABLE=1: don't. Compared by host and PCI address (not CUDA index, 0 under
+    ConstrainDevices, nor UUID, one per MIG slice)."""
     every_gpu = [None] * dist.get_world_size()
     gpu = torch.cuda.get_device_properties(device)
     this_gpu = (socket.gethostname(), gpu.pci_domain_id, gpu.pci_bus_id, gpu.pci_device_id)
