@@ -50,10 +50,10 @@ def parse_args():
     parser.add_argument("--data-dir", default="data", help="folder that holds or receives MNIST")
     parser.add_argument("--workers", type=int,
                         help="data-loader worker processes per process "
-                             "(default: half of the task's cores)")
+                             "(None: half of the task's cores)")
     parser.add_argument("--checkpoint", metavar="PATH",
                         help="save after every epoch and at a stop; resume if PATH exists "
-                             "(default on Slurm: checkpoints/ddp-submitit-JOBID.pt in the submit "
+                             "(None: on Slurm checkpoints/ddp-submitit-JOBID.pt in the submit "
                              "folder; --local: none)")
     parser.add_argument("--log-interval", type=int, default=200,
                         help="steps between progress lines inside an epoch (0: none)")
@@ -78,7 +78,7 @@ def parse_args():
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1,  # --workers: below
                     log_interval=0, clip_grad=0, lr=0, collective_timeout=1, save_every=0)
     for flag, minimum in minimums.items():
-        if getattr(args, flag) < minimum:
+        if not getattr(args, flag) >= minimum:  # a NaN too
             parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}")
     if not 0 <= args.warmup < 1:
         parser.error("--warmup must be at least 0 and below 1")
@@ -93,9 +93,9 @@ def add_submission_flags(parser):
     parser.add_argument("--gpus-per-node", type=int,
                         help="needed on Slurm (0: CPU, or GPUs that are not gres); --local: all")
     parser.add_argument("--tasks-per-node", type=int,
-                        help="one per GPU (default: --gpus-per-node, or 2 without)")
+                        help="one per GPU (None: --gpus-per-node, or 2 without)")
     parser.add_argument("--cpus-per-task", type=int,
-                        help="cores per process (default: as 05's submit.sh, those Slurm gives: "
+                        help="cores per process (None: as 05's submit.sh, those Slurm gives: "
                              "--sbatch cpus-per-gpu=N's, or the node's share; --local: 1)")
     parser.add_argument("--timeout-min", type=int, default=60,
                         help="time limit of the job in minutes")
@@ -289,9 +289,10 @@ def start_progress(args, checkpointed, train_samples, write_error, gloo_group):
     global_batch = dist.get_world_size() * args.batch_size * args.accumulate
     sample_order = f"global batch {global_batch}, seed {args.seed}, {train_samples} samples"
     progress = dict(epoch=0, step=0, loss_sum=0.0, count=0.0, stalled_runs=0) | (resumed or {})
-    if progress["step"] and progress.get("sample_order") != sample_order:  # inside an epoch
+    saved_order = progress.get("sample_order", "an older train.py")
+    if progress["step"] and saved_order != sample_order:  # inside an epoch
         exit_with_error(f"{args.checkpoint} stopped inside epoch {progress['epoch'] + 1} with "
-                        f"{progress.get('sample_order')}, now {sample_order}: resume with those")
+                        f"{saved_order}, now {sample_order}: resume with those")
     restarted = int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0  # a requeue, not a new job
     progress.update(sample_order=sample_order, resumed_at=[progress["epoch"], progress["step"]],
                     stalled_runs=progress["stalled_runs"] if restarted else 0)
@@ -390,7 +391,11 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress, 
         if stop_signal or save_due:
             break
         # Dropout and other draws as if the run was never stopped: seeded by the step (01's page).
-        torch.manual_seed(hash((args.seed, dist.get_rank(), epoch, step)))  # DDP: and by the rank
+        # Not torch.manual_seed, which seeds every kind of device: 0.2 ms a call, on every step.
+        seed = hash((args.seed, dist.get_rank(), epoch, step))  # DDP: and by the rank
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":  # every GPU's generator (02's replicas use them all)
+            torch.cuda.manual_seed_all(seed)
         for group, peak_lr in zip(optimizer.param_groups, peak_lrs):
             group["lr"] = get_lr(epoch * steps_per_epoch + step, args.epochs * steps_per_epoch,
                                  peak_lr, args)
@@ -429,7 +434,7 @@ def evaluate(model, loader, device, seed, vote):
         inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
         for i, value in enumerate(loss_and_metric(model(inputs), targets)):
             sums[i] += value  # on the device: no GPU sync per batch
-        vote.send()  # SLURM
+        vote.send()  # SLURM: as after a step, read before the next batch
     dist.all_reduce(sums)  # DDP: add up the ranks' disjoint shards
     return sums.tolist()
 
@@ -482,7 +487,7 @@ def setup(rank, local_rank, world_size, timeout):
                             timeout=timedelta(seconds=timeout))
     print(f"rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} "
           f"pid {os.getpid()} device {device} backend {backend} "
-          f"cores {len(os.sched_getaffinity(0))} "  # SLURM: those the task is bound to
+          f"cores {len(os.sched_getaffinity(0))} "  # SLURM: the task's, so a log shows its binding
           f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}\n",
           end="", flush=True)  # one write, so that the ranks' lines do not interleave
     # DDP: a Gloo group (no GPU memory) to wait in, an hour, while rank 0 downloads or saves.
@@ -523,7 +528,7 @@ def train(args, rank, world_size, device, gloo_group):
             if stop_signal:  # SLURM: all ranks stopped at this step: save it, and end
                 return stop_run(args, checkpointed, progress, gloo_group, stop_signal,
                                 vote.seen_at)
-            if save_due:  # SLURM: --save-every: save, and go on
+            if save_due and progress["step"] < steps_per_epoch:  # SLURM: --save-every; go on
                 progress["stalled_runs"] = 0
                 if is_main:
                     save_checkpoint(args.checkpoint, checkpointed, progress)
@@ -540,7 +545,7 @@ def train(args, rank, world_size, device, gloo_group):
         loss = progress["loss_sum"] / progress["count"]
         progress.update(epoch=epoch + 1, step=0, loss_sum=0.0, count=0.0, stalled_runs=0)  # SLURM
         if args.checkpoint and is_main:
-            save_checkpoint(args.checkpoint, checkpointed, progress)  # SLURM: all of progress
+            save_checkpoint(args.checkpoint, checkpointed, progress)  # SLURM: a requeue's progress
         dist.barrier(group=gloo_group)  # DDP: the others wait until the checkpoint is complete
         if is_main:
             print(f"epoch {epoch + 1}/{args.epochs} | train loss {loss:.4f} | "
@@ -617,7 +622,7 @@ def main():
         os.environ.pop(name, None)
     executor = make_executor(args)
     os.environ["REQUEUE_ON_144"] = "1"  # submitit: its batch script (local: its runner) requeues
-    # SLURM: the checkpoint folder, made on the host: parse_args() refuses a missing one.
+    # SLURM: the checkpoint folder, made on the host (a container's may be thrown away).
     if executor.cluster == "slurm":
         os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint or "checkpoints/x")),
                     exist_ok=True)
@@ -685,10 +690,10 @@ def check_launch(rank):
     # On several nodes, Gloo binds the address that the hostname resolves to: on a loopback one
     # (Debian's /etc/hosts: 127.0.1.1) the others retry until the timeout (an hour on NCCL runs).
     try:
-        address = socket.gethostbyname(socket.gethostname())
+        address = socket.getaddrinfo(socket.gethostname(), None)[0][4][0]  # as Gloo looks it up
     except OSError:
         address = "no address"
-    if not address[:1].isdigit() or address.startswith("127."):
+    if address in ("no address", "::1") or address.startswith("127."):
         sys.exit(f"{error_prefix}: its hostname resolves to {address}, which the other nodes "
                  "cannot reach: export GLOO_SOCKET_IFNAME=<the nodes' interface> (ip -br addr)")
 

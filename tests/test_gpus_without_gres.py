@@ -17,21 +17,23 @@ from conftest import load_step_module
     (4, 4, "2(x3)", True),    # 2 tasks for 4 GPUs: 2 idle
     (4, 1, "4(x3)", False),   # a site's binding: each task sees its own
     (0, 0, "2(x3)", False),   # a CPU node
-    ("", 0, "2(x3)", False),  # GPU_DEVICES empty: a CPU job on a GPU node, asked for
+    ("", 0, "2(x3)", False),  # CUDA_VISIBLE_DEVICES= on a node with 4 GPUs: a CPU job, asked for
 ])
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
 def test_a_node_without_gres_counts_its_gpus_by_their_device_files(monkeypatch, tmp_path, step, files, visible,
                                                                    tasks_per_node, refused):
     module = load_step_module(step)
-    for index in range(files or 0):
+    for index in range(4 if files == "" else files):
         (tmp_path / f"nvidia{index}").touch()
     (tmp_path / "nvidiactl").touch()  # not a GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.delenv("SLURM_GPUS_ON_NODE", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if files == "":
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     for name, value in dict(SLURM_STEP_TASKS_PER_NODE=tasks_per_node, SLURM_NODEID="2", SLURM_JOB_ID="42",
-                            GPU_DEVICES="" if files == "" else f"{tmp_path}/nvidia").items():
+                            GPU_DEVICES=f"{tmp_path}/nvidia").items():
         monkeypatch.setenv(name, value)
     if not refused:
         module.check_launch(5)
@@ -66,7 +68,7 @@ def test_a_job_that_asked_for_no_gpus_is_not_probed_and_trains_on_the_cpu(monkey
 
 @pytest.mark.parametrize("step", ["05_ddp_slurm", "06_ddp_submitit"])
 def test_a_job_without_gpus_where_cuda_sees_some_ends_with_one_line(monkeypatch, tmp_path, step):
-    """A job that has no GPUs (it asked for none, or GPU_DEVICES= for a CPU run) on a node where nothing fences the
+    """A job that has no GPUs (it asked for none) on a node where nothing fences the
     GPUs off (no gres, no ConstrainDevices) would have setup() take cuda:local_rank unchecked: one line instead."""
     module = load_step_module(step)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
