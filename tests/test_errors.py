@@ -23,6 +23,7 @@ ON_A_LOGIN_NODE = {"PATH": f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}"}
 BAD_ARGUMENTS = [
     *[(f"{step} --epochs 0", step, ["--epochs", "0"], "--epochs") for step in STEPS],
     ("--lr -1", "01_single_gpu", ["--lr", "-1"], "--lr"),
+    ("--collective-timeout nan", "05_ddp_slurm", ["--collective-timeout", "nan"], "--collective-timeout"),
     ("--batch-size x", "02_dataparallel", ["--batch-size", "x"], "--batch-size"),
     ("--test-batch-size 0", "05_ddp_slurm", ["--test-batch-size", "0"], "--test-batch-size"),
     ("--save-every -1", "06_ddp_submitit", ["--save-every", "-1"], "--save-every"),
