@@ -56,8 +56,8 @@ def parse_args():
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1, workers=0,
                     log_interval=0, clip_grad=0, lr=0)
     for flag, minimum in minimums.items():
-        if not getattr(args, flag) >= minimum:  # a NaN too
-            parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}")
+        if not minimum <= getattr(args, flag) < math.inf:  # not NaN either
+            parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}, and finite")
     if not 0 <= args.warmup < 1:
         parser.error("--warmup must be at least 0 and below 1")
     return args

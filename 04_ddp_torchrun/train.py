@@ -64,8 +64,8 @@ def parse_args():
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1, workers=0,
                     log_interval=0, clip_grad=0, lr=0, collective_timeout=1)
     for flag, minimum in minimums.items():
-        if not getattr(args, flag) >= minimum:  # a NaN too
-            parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}")
+        if not minimum <= getattr(args, flag) < math.inf:  # not NaN either
+            parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}, and finite")
     if not 0 <= args.warmup < 1:
         parser.error("--warmup must be at least 0 and below 1")
     # SLURM: a relative --checkpoint is the submit folder's, not the working folder's (in a
@@ -196,8 +196,8 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, epoch):
         # Not torch.manual_seed, which seeds every kind of device: 0.2 ms a call, on every step.
         seed = hash((args.seed, dist.get_rank(), epoch, step))  # DDP: and by the rank
         torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":  # every GPU's generator (02's replicas use them all)
-            torch.cuda.manual_seed_all(seed)
+        if device.type == "cuda":  # DDP: this process's GPU
+            torch.cuda.manual_seed(seed)
         for group, peak_lr in zip(optimizer.param_groups, peak_lrs):
             group["lr"] = get_lr(epoch * steps_per_epoch + step, args.epochs * steps_per_epoch,
                                  peak_lr, args)

@@ -78,8 +78,8 @@ def parse_args():
     minimums = dict(epochs=1, batch_size=1, test_batch_size=1, accumulate=1,  # --workers: below
                     log_interval=0, clip_grad=0, lr=0, collective_timeout=1, save_every=0)
     for flag, minimum in minimums.items():
-        if not getattr(args, flag) >= minimum:  # a NaN too
-            parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}")
+        if not minimum <= getattr(args, flag) < math.inf:  # not NaN either
+            parser.error(f"--{flag.replace('_', '-')} must be at least {minimum}, and finite")
     if not 0 <= args.warmup < 1:
         parser.error("--warmup must be at least 0 and below 1")
     check_submission_flags(parser, args)  # submitit
@@ -394,8 +394,8 @@ def train_one_epoch(args, model, loader, optimizer, peak_lrs, device, progress, 
         # Not torch.manual_seed, which seeds every kind of device: 0.2 ms a call, on every step.
         seed = hash((args.seed, dist.get_rank(), epoch, step))  # DDP: and by the rank
         torch.default_generator.manual_seed(seed)
-        if device.type == "cuda":  # every GPU's generator (02's replicas use them all)
-            torch.cuda.manual_seed_all(seed)
+        if device.type == "cuda":  # DDP: this process's GPU
+            torch.cuda.manual_seed(seed)
         for group, peak_lr in zip(optimizer.param_groups, peak_lrs):
             group["lr"] = get_lr(epoch * steps_per_epoch + step, args.epochs * steps_per_epoch,
                                  peak_lr, args)
@@ -528,7 +528,7 @@ def train(args, rank, world_size, device, gloo_group):
             if stop_signal:  # SLURM: all ranks stopped at this step: save it, and end
                 return stop_run(args, checkpointed, progress, gloo_group, stop_signal,
                                 vote.seen_at)
-            if save_due and progress["step"] < steps_per_epoch:  # SLURM: --save-every; go on
+            if save_due:  # SLURM: --save-every: save, and go on
                 progress["stalled_runs"] = 0
                 if is_main:
                     save_checkpoint(args.checkpoint, checkpointed, progress)

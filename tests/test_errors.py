@@ -24,6 +24,7 @@ BAD_ARGUMENTS = [
     *[(f"{step} --epochs 0", step, ["--epochs", "0"], "--epochs") for step in STEPS],
     ("--lr -1", "01_single_gpu", ["--lr", "-1"], "--lr"),
     ("--collective-timeout nan", "05_ddp_slurm", ["--collective-timeout", "nan"], "--collective-timeout"),
+    ("--collective-timeout inf", "04_ddp_torchrun", ["--collective-timeout", "inf"], "--collective-timeout"),
     ("--batch-size x", "02_dataparallel", ["--batch-size", "x"], "--batch-size"),
     ("--test-batch-size 0", "05_ddp_slurm", ["--test-batch-size", "0"], "--test-batch-size"),
     ("--save-every -1", "06_ddp_submitit", ["--save-every", "-1"], "--save-every"),
