@@ -18,7 +18,7 @@ else
               --rdzv-endpoint="${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of the first node}")
 fi
 # After a restart, workers that share torchrun's own rendezvous store can read the previous round's
-# addresses and fail or hang (pytorch/pytorch#135712; 04's page says how often our test did).
+# addresses and fail or hang (pytorch/pytorch#135712; how often our test did: tests/RESULTS.md).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 # python -m torch.distributed.run is torchrun, run by the chosen interpreter.
 exec "$python" -m torch.distributed.run "${rendezvous[@]}" --nproc-per-node="$nproc" \

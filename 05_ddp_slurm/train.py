@@ -227,11 +227,13 @@ class ResumableSampler(DistributedSampler):
         return iter(list(super().__iter__())[self.skip:])
 
 
-def start_progress(args, checkpointed, train_samples, write_error, gloo_group):
+def start_progress(args, checkpointed, train_samples, gloo_group):
     """SLURM: loads the checkpoint, checks it (the end of this file) and returns where this run
     starts, as the plain data that a save stores."""
     resumed, load_error = load_checkpoint(args.checkpoint, checkpointed)
-    if args.checkpoint:  # the folder: rank 0 wrote its probe, every rank reads it
+    if args.checkpoint:  # a site check: rank 0 writes a probe beside it, every rank reads it
+        write_error = write_probe(args.checkpoint) if dist.get_rank() == 0 else None
+        dist.barrier(group=gloo_group)
         load_error = load_error or write_error or probe_error(args.checkpoint)
     check_same_checkpoint(args.checkpoint, resumed, load_error, gloo_group)  # DDP: a site check
     if args.checkpoint and dist.get_rank() == 0:
@@ -283,6 +285,16 @@ def stop_run(args, checkpointed, progress, gloo_group, stop_signal, seen_at):
               f"{signal.Signals(stop_signal).name} {time.monotonic() - seen_at:.1f} s after the "
               f"signal was seen, {saved}: exit code {exit_code}, {outcome}", flush=True)
     return exit_code
+
+
+def periodic_save(args, checkpointed, progress, gloo_group):
+    """SLURM: --save-every: rank 0 saves the step, for a job killed without a signal."""
+    progress["stalled_runs"] = 0  # the run made progress
+    if dist.get_rank() == 0:
+        save_checkpoint(args.checkpoint, checkpointed, progress)
+        print(f"saved at epoch {progress['epoch'] + 1} step {progress['step']} (--save-every "
+              f"{args.save_every:g})", flush=True)
+    dist.barrier(group=gloo_group)  # DDP: the others wait until it is complete
 
 
 def make_loaders(args, rank, world_size, device, gloo_group):
@@ -451,8 +463,6 @@ def setup(rank, local_rank, world_size, timeout):
 def train(args, rank, world_size, device, gloo_group):
     """Returns the exit code: 0, or SLURM: a stop's, from stop_run()."""
     is_main = rank == 0  # DDP: only global rank 0 prints and saves
-    # SLURM: a site check (the end of this file), read by every rank after the data barrier
-    write_error = write_probe(args.checkpoint) if args.checkpoint and is_main else None
     train_loader, test_loader = make_loaders(args, rank, world_size, device, gloo_group)
     torch.manual_seed(args.seed)  # the same initial weights for the same seed
     model = Net().to(device)
@@ -460,8 +470,7 @@ def train(args, rank, world_size, device, gloo_group):
     peak_lrs = [group["lr"] for group in optimizer.param_groups]  # this run's, not a checkpoint's
     # What a checkpoint holds and a resume restores, by name: add yours (01's page: an EMA).
     checkpointed = {"model": model, "optimizer": optimizer}
-    progress = start_progress(args, checkpointed, len(train_loader.dataset), write_error,
-                              gloo_group)  # SLURM
+    progress = start_progress(args, checkpointed, len(train_loader.dataset), gloo_group)  # SLURM
     vote = StopVote(args.save_every if args.checkpoint else 0, args.collective_timeout)  # SLURM
     # DDP: copies rank 0's weights to every rank, then averages gradients during backward.
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -479,13 +488,8 @@ def train(args, rank, world_size, device, gloo_group):
             if stop_signal:  # SLURM: all ranks stopped at this step: save it, and end
                 return stop_run(args, checkpointed, progress, gloo_group, stop_signal,
                                 vote.seen_at)
-            if save_due:  # SLURM: --save-every: save, and go on
-                progress["stalled_runs"] = 0
-                if is_main:
-                    save_checkpoint(args.checkpoint, checkpointed, progress)
-                    print(f"saved at epoch {epoch + 1} step {progress['step']} (--save-every "
-                          f"{args.save_every:g})", flush=True)
-                dist.barrier(group=gloo_group)  # DDP: the others wait until it is complete
+            if save_due:  # SLURM: --save-every
+                periodic_save(args, checkpointed, progress, gloo_group)
         train_time = time.perf_counter() - start
         # -1: the seed of no training step, so that evaluation draws numbers of its own.
         test_loss, metric, count = evaluate(model, test_loader, device,

@@ -45,7 +45,7 @@ SITE_CHECKS = "# Site checks"  # the line of train.py from which the site checks
 # diff).
 IN_THE_FILE = {
     "05_ddp_slurm/train.py": ["catch_stop_signals", "stop_signal_received", "StopVote", "ResumableSampler",
-                              "start_progress", "stop_run"],
+                              "start_progress", "stop_run", "periodic_save"],
     "06_ddp_submitit/train.py": ["add_submission_flags", "sbatch_option", "check_submission_flags",
                                  "make_executor"],
 }

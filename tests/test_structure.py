@@ -14,7 +14,7 @@ from conftest import REPO, STEPS
 ORDER = ["parse_args", "add_submission_flags", "sbatch_option", "check_submission_flags",
          "load_datasets", "Net", "METRIC", "loss_and_metric", "make_optimizer", "get_lr",
          "STOP_SIGNALS", "REQUEUE_EXIT_CODE", "MAX_STALLED_RUNS", "noted_stop_signals", "catch_stop_signals",
-         "stop_signal_received", "StopVote", "ResumableSampler", "start_progress", "stop_run",
+         "stop_signal_received", "StopVote", "ResumableSampler", "start_progress", "stop_run", "periodic_save",
          "make_loaders", "train_step", "train_one_epoch", "evaluate", "save_checkpoint", "load_checkpoint",
          "exit_with_error", "setup", "train", "run", "make_executor", "main",
          # The site checks, set apart at the end of the file.
@@ -48,6 +48,7 @@ SHARED = {
     "ResumableSampler": ["05 06"],
     "start_progress": ["05 06"],
     "stop_run": ["05 06"],
+    "periodic_save": ["05 06"],
     "gpus_on_node": ["05 06"],
     "check_launch": ["05 06"],
     "run_id": ["05 06"],
