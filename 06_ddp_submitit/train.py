@@ -282,7 +282,7 @@ def start_progress(args, checkpointed, train_samples, gloo_group):
     resumed, load_error = load_checkpoint(args.checkpoint, checkpointed)
     if args.checkpoint:  # a site check: rank 0 writes a probe beside it, every rank reads it
         write_error = write_probe(args.checkpoint) if dist.get_rank() == 0 else None
-        dist.barrier(group=gloo_group)
+        dist.barrier(group=gloo_group)  # DDP: written before any rank reads it
         load_error = load_error or write_error or probe_error(args.checkpoint)
     check_same_checkpoint(args.checkpoint, resumed, load_error, gloo_group)  # DDP: a site check
     if args.checkpoint and dist.get_rank() == 0:
