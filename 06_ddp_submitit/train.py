@@ -326,7 +326,8 @@ def stop_run(args, checkpointed, progress, gloo_group, stop_signal, seen_at):
         saved, exit_code, outcome = "nothing saved", 1, "not requeued: no --checkpoint"
     elif progress["stalled_runs"] >= MAX_STALLED_RUNS:
         exit_code = 1
-        outcome = f"not requeued: {MAX_STALLED_RUNS} runs in a row made no step (raise --time)"
+        outcome = (f"not requeued: {MAX_STALLED_RUNS} runs in a row made no step (raise the time "
+                   "limit)")
     elif not os.environ.get("REQUEUE_ON_144"):  # set by submit.sh (06: by its launcher)
         outcome = "started without submit.sh: the same command resumes"
     if dist.get_rank() == 0:

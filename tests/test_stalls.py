@@ -62,7 +62,7 @@ def test_the_third_run_in_a_row_without_progress_ends_the_job(monkeypatch, capsy
     stops = [line for line in runs[-2][4].splitlines() if line.startswith("stopped")]
     assert len(stops) == 1 and re.fullmatch(
         r"stopped at epoch 2 step 0 on SIGUSR2 [\d.]+ s after the signal was seen, saved in [\d.]+ s: exit code 1, not "
-        r"requeued: 3 runs in a row made no step \(raise --time\)",
+        r"requeued: 3 runs in a row made no step \(raise the time limit\)",
         stops[0]), stops
 
 
